@@ -1,0 +1,21 @@
+"""Codecs that turn fp32 tensors into compact bytes and back.
+
+A pipeline is named by a spec string such as ``"q8|zstd:3"``: one tensor stage that maps a
+flat fp32 tensor to bytes, then any number of byte stages. See :mod:`.pipeline`.
+"""
+
+from geodiloco.compression.errors import CodecError
+from geodiloco.compression.error_feedback import ErrorFeedback
+from geodiloco.compression.frames import EncodedChunk, decode_chunks_into, encode_chunks
+from geodiloco.compression.pipeline import Pipeline, known_stages, parse_pipeline
+
+__all__ = [
+    "CodecError",
+    "EncodedChunk",
+    "ErrorFeedback",
+    "Pipeline",
+    "decode_chunks_into",
+    "encode_chunks",
+    "known_stages",
+    "parse_pipeline",
+]

@@ -1,0 +1,56 @@
+"""Fixed-size framing of a flat tensor into independently decodable chunks.
+
+Each chunk covers one element range, so a receiver decodes it on arrival into its place and
+never buffers the whole payload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from geodiloco.compression.errors import CodecError
+from geodiloco.compression.pipeline import Pipeline
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedChunk:
+    start: int
+    numel: int
+    payload: bytes
+
+
+def chunk_ranges(numel: int, chunk_elements: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, numel, chunk_elements):
+        yield start, min(chunk_elements, numel - start)
+
+
+def encode_chunks(
+    pipeline: Pipeline, flat: torch.Tensor, chunk_elements: int
+) -> tuple[list[EncodedChunk], torch.Tensor]:
+    """Encode ``flat`` chunk by chunk; also return what every receiver will decode."""
+    chunks: list[EncodedChunk] = []
+    decoded = torch.empty_like(flat)
+    for start, numel in chunk_ranges(flat.numel(), chunk_elements):
+        payload, back = pipeline.roundtrip(flat[start : start + numel])
+        decoded[start : start + numel] = back
+        chunks.append(EncodedChunk(start, numel, payload))
+    return chunks, decoded
+
+
+def decode_chunks_into(
+    pipeline: Pipeline, chunks: Iterable[EncodedChunk], out: torch.Tensor
+) -> None:
+    """Decode chunks into ``out``; the ranges must tile it exactly, in order."""
+    expected_start = 0
+    for chunk in chunks:
+        if chunk.start != expected_start:
+            raise CodecError(f"chunk starts at {chunk.start}, expected {expected_start}")
+        if chunk.numel <= 0 or chunk.start + chunk.numel > out.numel():
+            raise CodecError(f"chunk range [{chunk.start}, +{chunk.numel}) is outside the tensor")
+        out[chunk.start : chunk.start + chunk.numel] = pipeline.decode(chunk.payload, chunk.numel)
+        expected_start += chunk.numel
+    if expected_start != out.numel():
+        raise CodecError(f"chunks cover {expected_start} of {out.numel()} elements")

@@ -1,0 +1,1 @@
+"""The outer loop: rounds, aggregation, the outer optimizer, and its gRPC service."""

@@ -1,0 +1,25 @@
+"""Refusals raised by the round logic; the gRPC layer maps each to its status code."""
+
+import grpc
+
+
+class CoordinatorError(Exception):
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(CoordinatorError):
+    """Malformed or inconsistent input: wrong shape, bad codec, corrupt payload."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPrecondition(CoordinatorError):
+    """Valid input at the wrong time: stale or future round, not joined, run finished."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class PermissionDenied(CoordinatorError):
+    """A site that is not part of the run."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED

@@ -1,0 +1,352 @@
+"""The round state machine: membership, contributions, commit, and the committed history.
+
+Pure asyncio and tensors; the gRPC service in :mod:`.service` decodes requests and delegates
+here. Round r starts from θ_r; once its contributions are in, the coordinator averages them,
+asks the outer optimizer for a change, compresses the change (with error feedback), applies the
+*decoded* change to θ_r and publishes it. Sites apply the same decoded bytes, so every replica
+stays bit-identical.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from geodiloco.compression import EncodedChunk, ErrorFeedback, encode_chunks, parse_pipeline
+from geodiloco.config import RunConfig
+from geodiloco.coordinator.aggregator import WeightedMean
+from geodiloco.coordinator.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+)
+from geodiloco.coordinator.outer_optimizer import build_outer_optimizer
+from geodiloco.params import state_hash
+
+log = logging.getLogger("geodiloco.coordinator")
+
+FULL_STATE_CODEC = "fp32|zstd:1"
+KEEP_UPDATES = 4  # committed updates kept for sites that fall a round or two behind
+
+
+@dataclass(slots=True)
+class SiteRecord:
+    name: str
+    shard_index: int
+    state: str = "absent"  # absent, joined, left, lost
+    last_seen: float = 0.0
+    last_round: int = -1  # last round contributed to
+    accepted: int = 0
+    rejected: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    eval_loss: float = float("nan")
+    train_loss: float = float("nan")
+    tokens: int = 0
+    hash_ok: bool = True
+    last_report_round: int = -1
+
+
+@dataclass(slots=True)
+class CommittedUpdate:
+    """The published change that takes θ_round to θ_{round+1}."""
+
+    round: int
+    codec: str
+    chunks: list[EncodedChunk]
+    state_hash: str  # of θ_{round+1}
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(c.payload) for c in self.chunks)
+
+
+@dataclass(slots=True)
+class FullState:
+    round: int
+    codec: str
+    chunks: list[EncodedChunk]
+    state_hash: str
+
+
+@dataclass(slots=True)
+class RoundRecord:
+    round: int
+    contributors: list[str]
+    tokens: int
+    state_hash: str
+    duration_s: float
+    update_bytes: int
+    eval_loss_sum: float = 0.0
+    eval_count: int = 0
+    hash_reports: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def eval_loss(self) -> float:
+        return self.eval_loss_sum / self.eval_count if self.eval_count else float("nan")
+
+    @property
+    def hashes_agree(self) -> bool:
+        return all(self.hash_reports.values())
+
+
+class RoundController:
+    """Owns θ, the outer optimizer and the run's membership; one per coordinator."""
+
+    def __init__(self, cfg: RunConfig, initial: torch.Tensor, run_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        self.theta = initial.detach().to(torch.float32).clone()
+        self.num_params = self.theta.numel()
+        self.round = 0
+        self.optimizer = build_outer_optimizer(cfg.outer)
+        self.uplink = parse_pipeline(cfg.compression.uplink)
+        self.downlink = parse_pipeline(cfg.compression.downlink)
+        self.full_state_codec = parse_pipeline(FULL_STATE_CODEC)
+        self.downlink_feedback = ErrorFeedback(self.num_params)
+        self.sites = {name: SiteRecord(name, i) for i, name in enumerate(cfg.sites)}
+        self.mean = WeightedMean(self.num_params)
+        self.updates: dict[int, CommittedUpdate] = {}
+        self.history: list[RoundRecord] = []
+        self.hashes: dict[int, str] = {0: state_hash(self.theta)}
+        self.round_opened = time.monotonic()
+        self.started = time.monotonic()
+        self.unattributed_bytes = 0
+        self._full_state: FullState | None = None
+        self._changed = asyncio.Condition()
+        self._commit_lock = asyncio.Lock()
+        self.run_dir = run_dir
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- membership -------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.round >= self.cfg.rounds
+
+    def site(self, name: str) -> SiteRecord:
+        record = self.sites.get(name)
+        if record is None:
+            raise PermissionDenied(f"site {name!r} is not part of run {self.cfg.run_id!r}")
+        return record
+
+    def check_run(self, run_id: str) -> None:
+        if run_id and run_id != self.cfg.run_id:
+            raise FailedPrecondition(
+                f"run id {run_id!r} does not match this coordinator's run {self.cfg.run_id!r}"
+            )
+
+    def member(self, name: str, run_id: str) -> SiteRecord:
+        """The record of a site that has joined this run; anything else is refused."""
+        self.check_run(run_id)
+        record = self.site(name)
+        if record.state != "joined":
+            raise FailedPrecondition(f"site {name!r} has not joined (state: {record.state}); call Join")
+        record.last_seen = time.monotonic()
+        return record
+
+    async def join(self, name: str, run_id: str) -> SiteRecord:
+        self.check_run(run_id)
+        record = self.site(name)
+        record.state, record.last_seen = "joined", time.monotonic()
+        log.info("site %s joined at round %d (shard %d)", name, self.round, record.shard_index)
+        await self._notify()
+        return record
+
+    async def leave(self, name: str, run_id: str, reason: str) -> None:
+        record = self.member(name, run_id)
+        record.state = "left"
+        log.info("site %s left: %s", name, reason or "no reason given")
+        await self._maybe_close()
+
+    def live_sites(self) -> set[str]:
+        return {s.name for s in self.sites.values() if s.state == "joined"}
+
+    # -- contributions ----------------------------------------------------------------------
+
+    def check_push(self, name: str, run_id: str, round_: int) -> bool:
+        """Validate a push before its payload is read. True when it is a duplicate."""
+        record = self.member(name, run_id)
+        if self.finished:
+            raise FailedPrecondition(f"run {self.cfg.run_id!r} has finished; nothing to push")
+        if round_ == self.round:
+            return name in self.mean.contributors
+        if round_ < self.round:
+            if record.last_round >= round_:
+                return True
+            raise FailedPrecondition(f"round {round_} is closed; the current round is {self.round}")
+        raise FailedPrecondition(f"round {round_} is not open yet; the current round is {self.round}")
+
+    async def contribute(self, name: str, run_id: str, round_: int, tokens: int, delta: torch.Tensor) -> bool:
+        """Add one site's decoded pseudo-gradient. Returns False for an idempotent duplicate."""
+        if tokens <= 0:
+            raise InvalidArgument("tokens must be > 0")
+        if delta.shape != (self.num_params,):
+            raise InvalidArgument(f"pseudo-gradient has shape {tuple(delta.shape)}, expected ({self.num_params},)")
+        async with self._commit_lock:
+            if self.check_push(name, run_id, round_):
+                return False
+            self.mean.add(name, delta, tokens)
+            record = self.sites[name]
+            record.last_round, record.accepted = round_, record.accepted + 1
+            log.info("round %d: accepted %s (%d tokens)", round_, name, tokens)
+        await self._maybe_close()
+        return True
+
+    def record_rejection(self, name: str) -> None:
+        if name in self.sites:
+            self.sites[name].rejected += 1
+
+    # -- closing a round --------------------------------------------------------------------
+
+    def _ready_to_close(self, now: float) -> bool:
+        contributed = set(self.mean.contributors)
+        if self.finished or len(contributed) < self.cfg.quorum:
+            return False
+        everyone_in = self.live_sites() <= contributed
+        return everyone_in or now - self.round_opened >= self.cfg.round_timeout_s
+
+    async def _maybe_close(self) -> None:
+        async with self._commit_lock:
+            if self._ready_to_close(time.monotonic()):
+                await self._commit()
+
+    async def _commit(self) -> None:
+        r, mean = self.round, self.mean
+        started = time.monotonic()
+        chunks, decoded = await asyncio.to_thread(self._compute_update, mean.mean())
+        self.theta.add_(decoded)
+        digest = state_hash(self.theta)
+        self.updates[r] = CommittedUpdate(r, self.downlink.spec, chunks, digest)
+        self.updates.pop(r - KEEP_UPDATES, None)
+        self.hashes[r + 1] = digest
+        record = RoundRecord(
+            round=r,
+            contributors=sorted(mean.contributors),
+            tokens=mean.weight,
+            state_hash=digest,
+            duration_s=started - self.round_opened,
+            update_bytes=self.updates[r].payload_bytes,
+        )
+        self.history.append(record)
+        self.round += 1
+        self.mean = WeightedMean(self.num_params)
+        self.round_opened = time.monotonic()
+        self._full_state = None
+        self._append_log(record)
+        log.info(
+            "round %d committed: %s, %d tokens, update %d bytes, hash %s",
+            r, ",".join(record.contributors), record.tokens, record.update_bytes, digest[:12],
+        )
+        await self._notify()
+
+    def _compute_update(self, avg_delta: torch.Tensor) -> tuple[list[EncodedChunk], torch.Tensor]:
+        """The compressed change and its decoded value, which every replica applies."""
+        proposed = self.optimizer.step(avg_delta)
+        to_send = self.downlink_feedback.compensate(proposed)
+        chunks, decoded = encode_chunks(self.downlink, to_send, self.cfg.compression.chunk_elements)
+        self.downlink_feedback.record(to_send, decoded)
+        return chunks, decoded
+
+    def _append_log(self, record: RoundRecord) -> None:
+        if self.run_dir is None:
+            return
+        line = {
+            "round": record.round,
+            "contributors": record.contributors,
+            "tokens": record.tokens,
+            "state_hash": record.state_hash,
+            "update_bytes": record.update_bytes,
+            "duration_s": round(record.duration_s, 3),
+        }
+        with open(self.run_dir / "rounds.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def tick(self) -> None:
+        """Expire leases and close rounds past their deadline; called periodically."""
+        now = time.monotonic()
+        for record in self.sites.values():
+            if record.state == "joined" and now - record.last_seen > self.cfg.lease_s:
+                record.state = "lost"
+                log.warning("site %s lost: no heartbeat for %.1fs", record.name, now - record.last_seen)
+        await self._maybe_close()
+
+    # -- updates and state for the sites ----------------------------------------------------
+
+    async def wait_for_update(self, round_: int) -> CommittedUpdate | None:
+        """The committed update closing ``round_``; None when it is no longer kept."""
+        if round_ >= self.cfg.rounds:
+            raise FailedPrecondition(f"round {round_} is past the run's last round {self.cfg.rounds - 1}")
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.round > round_)
+        return self.updates.get(round_)
+
+    def full_state(self) -> FullState:
+        """θ at the current round, lossless; cached until the next commit."""
+        if self._full_state is None or self._full_state.round != self.round:
+            chunks, _ = encode_chunks(self.full_state_codec, self.theta, self.cfg.compression.chunk_elements)
+            self._full_state = FullState(self.round, FULL_STATE_CODEC, chunks, self.hashes[self.round])
+        return self._full_state
+
+    def report(
+        self,
+        name: str,
+        run_id: str,
+        round_: int,
+        digest: str,
+        eval_loss_sum: float,
+        eval_count: int,
+        train_loss: float,
+        tokens: int,
+    ) -> tuple[bool, str]:
+        """A site's parameter hash and metrics after applying the update that closed ``round_``."""
+        record = self.member(name, run_id)
+        expected = self.hashes.get(round_ + 1)
+        if expected is None:
+            raise FailedPrecondition(f"round {round_} has not been committed")
+        ok = digest == expected
+        if not ok:
+            log.error("site %s diverged after round %d: hash %s, expected %s", name, round_, digest[:12], expected[:12])
+        record.hash_ok = ok
+        record.last_report_round = round_
+        record.train_loss = train_loss
+        record.tokens += tokens
+        if eval_count:
+            record.eval_loss = eval_loss_sum / eval_count
+        history = next((h for h in self.history if h.round == round_), None)
+        if history is not None and name not in history.hash_reports:
+            history.hash_reports[name] = ok
+            history.eval_loss_sum += eval_loss_sum
+            history.eval_count += eval_count
+        return ok, expected
+
+    # -- accounting -------------------------------------------------------------------------
+
+    def count_bytes(self, name: str | None, received: int = 0, sent: int = 0) -> None:
+        record = self.sites.get(name) if name else None
+        if record is None:
+            self.unattributed_bytes += received + sent
+            return
+        record.bytes_in += received
+        record.bytes_out += sent
+
+    @property
+    def phase(self) -> str:
+        if self.finished:
+            return "finished"
+        if not self.history and self.live_sites() != set(self.sites):
+            return "waiting_for_sites"
+        return "training"
+
+    def all_sites_done(self) -> bool:
+        return self.finished and all(s.state != "joined" for s in self.sites.values())

@@ -1,0 +1,294 @@
+"""Thin gRPC servicers: decode, validate the wire, delegate to the round controller.
+
+Every refusal is a gRPC status with a message and one log line; nothing a request carries can
+change the run's state unless the whole request is valid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import torch
+from google.protobuf.message import Message
+
+from geodiloco import __version__
+from geodiloco.compression import CodecError
+from geodiloco.coordinator.errors import CoordinatorError, InvalidArgument
+from geodiloco.coordinator.rounds import RoundController
+from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
+
+log = logging.getLogger("geodiloco.coordinator")
+
+
+def _finite_or_zero(x: float) -> float:
+    return x if math.isfinite(x) else 0.0
+
+
+async def _abort(context: grpc.aio.ServicerContext, rpc: str, site: str, exc: Exception) -> None:
+    code = exc.code if isinstance(exc, CoordinatorError) else grpc.StatusCode.INVALID_ARGUMENT
+    log.warning("[OuterSync.%s] site=%s refused (%s): %s", rpc, site or "?", code.name, exc)
+    await context.abort(code, str(exc))
+
+
+class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
+    def __init__(self, controller: RoundController) -> None:
+        self.c = controller
+
+    def _count(self, site: str, received: Message | None = None, sent: Message | None = None) -> None:
+        self.c.count_bytes(
+            site,
+            received=received.ByteSize() if received is not None else 0,
+            sent=sent.ByteSize() if sent is not None else 0,
+        )
+
+    async def _unary(
+        self,
+        rpc: str,
+        request: Any,
+        context: grpc.aio.ServicerContext,
+        handler: Callable[[], Any],
+    ) -> Any:
+        self._count(request.site, received=request)
+        try:
+            response = await handler()
+        except CoordinatorError as exc:
+            await _abort(context, rpc, request.site, exc)
+        self._count(request.site, sent=response)
+        return response
+
+    async def Join(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def handle() -> Any:
+            record = await self.c.join(request.site, request.run_id)
+            if request.version and request.version != __version__:
+                log.warning("site %s runs geodiloco %s, coordinator %s", request.site, request.version, __version__)
+            return outer_sync_pb2.JoinResponse(
+                run_id=self.c.cfg.run_id,
+                run_config_json=self.c.cfg.to_json(),
+                round=self.c.round,
+                state_hash=self.c.hashes[self.c.round],
+                shard_index=record.shard_index,
+                shard_count=len(self.c.sites),
+                num_params=self.c.num_params,
+                heartbeat_interval_s=self.c.cfg.heartbeat_interval_s,
+                finished=self.c.finished,
+            )
+
+        return await self._unary("Join", request, context, handle)
+
+    async def Heartbeat(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def handle() -> Any:
+            self.c.member(request.site, request.run_id)
+            return outer_sync_pb2.HeartbeatResponse(
+                round=self.c.round, lease_s=self.c.cfg.lease_s, finished=self.c.finished
+            )
+
+        return await self._unary("Heartbeat", request, context, handle)
+
+    async def Report(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def handle() -> Any:
+            if request.eval_count and not math.isfinite(request.eval_loss_sum):
+                raise InvalidArgument("eval_loss_sum must be finite")
+            ok, expected = self.c.report(
+                request.site,
+                request.run_id,
+                request.round,
+                request.state_hash,
+                request.eval_loss_sum,
+                request.eval_count,
+                _finite_or_zero(request.train_loss),
+                request.tokens,
+            )
+            return outer_sync_pb2.ReportResponse(hash_ok=ok, expected_hash=expected)
+
+        return await self._unary("Report", request, context, handle)
+
+    async def Leave(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def handle() -> Any:
+            await self.c.leave(request.site, request.run_id, request.reason)
+            return outer_sync_pb2.LeaveResponse()
+
+        return await self._unary("Leave", request, context, handle)
+
+    async def PushDelta(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        site, round_, fragment, payload_bytes = "", 0, 0, 0
+        try:
+            staging: torch.Tensor | None = None
+            first: Any = None
+            duplicate = False
+            covered = index = 0
+            async for chunk in request_iterator:
+                h = chunk.header
+                self._count(h.site or site, received=chunk)
+                if first is None:
+                    first, site, round_, fragment = chunk, h.site, h.round, h.fragment
+                    duplicate = self._check_first_chunk(chunk)
+                    if not duplicate:
+                        staging = torch.empty(self.c.num_params, dtype=torch.float32)
+                self._check_chunk(first, chunk, index, covered)
+                payload_bytes += len(chunk.payload)
+                if staging is not None:
+                    out = staging[h.start : h.start + h.numel]
+                    out.copy_(await asyncio.to_thread(self.c.uplink.decode, chunk.payload, h.numel))
+                covered += h.numel
+                index += 1
+            if first is None:
+                raise InvalidArgument("empty push: no chunks received")
+            if index != first.total_chunks or covered != self.c.num_params:
+                raise InvalidArgument(
+                    f"push ended after {index} of {first.total_chunks} chunks covering "
+                    f"{covered} of {self.c.num_params} elements"
+                )
+            if staging is not None:
+                accepted = await self.c.contribute(site, first.header.run_id, round_, first.tokens, staging)
+                duplicate = not accepted
+        except (CoordinatorError, CodecError) as exc:
+            self.c.record_rejection(site)
+            await _abort(context, "PushDelta", site, exc)
+        ack = outer_sync_pb2.PushAck(
+            round=round_, fragment=fragment, duplicate=duplicate, payload_bytes=payload_bytes
+        )
+        self._count(site, sent=ack)
+        return ack
+
+    def _check_first_chunk(self, chunk: Any) -> bool:
+        h = chunk.header
+        duplicate = self.c.check_push(h.site, h.run_id, h.round)
+        if h.fragment != 0:
+            raise InvalidArgument(f"fragment {h.fragment} does not exist; this run has one fragment (0)")
+        if h.codec != self.c.uplink.spec:
+            raise InvalidArgument(f"codec {h.codec!r} is not this run's uplink codec {self.c.uplink.spec!r}")
+        if chunk.tokens <= 0:
+            raise InvalidArgument("tokens must be > 0")
+        if not 0 < chunk.total_chunks <= self.c.num_params:
+            raise InvalidArgument(f"total_chunks {chunk.total_chunks} is out of range")
+        return duplicate
+
+    def _check_chunk(self, first: Any, chunk: Any, index: int, covered: int) -> None:
+        h, f = chunk.header, first.header
+        if h.seq != index:
+            raise InvalidArgument(f"chunk {index} carries sequence number {h.seq}")
+        if (h.run_id, h.round, h.fragment, h.site, h.codec) != (f.run_id, f.round, f.fragment, f.site, f.codec):
+            raise InvalidArgument(f"chunk {h.seq} header differs from the stream's first chunk")
+        if (chunk.tokens, chunk.total_chunks) != (first.tokens, first.total_chunks):
+            raise InvalidArgument(f"chunk {h.seq}: tokens or total_chunks changed mid-stream")
+        if h.seq >= first.total_chunks:
+            raise InvalidArgument(f"chunk {h.seq} is beyond the declared {first.total_chunks} chunks")
+        if h.start != covered:
+            raise InvalidArgument(f"chunk {h.seq} starts at element {h.start}, expected {covered}")
+        if not 0 < h.numel <= self.c.cfg.compression.chunk_elements or h.start + h.numel > self.c.num_params:
+            raise InvalidArgument(
+                f"chunk {h.seq} covers [{h.start}, {h.start + h.numel}), outside the model's "
+                f"{self.c.num_params} parameters or over {self.c.cfg.compression.chunk_elements} elements"
+            )
+
+    async def PullUpdate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        self._count(request.site, received=request)
+        kind = request.kind
+        try:
+            self.c.member(request.site, request.run_id)
+            if kind == outer_sync_pb2.PullRequest.UPDATE:
+                update = await self.c.wait_for_update(request.round)
+                if update is not None:
+                    chunks, codec, digest = update.chunks, update.codec, update.state_hash
+                    next_round, round_ = update.round + 1, update.round
+                else:
+                    kind = outer_sync_pb2.PullRequest.FULL_STATE
+            elif kind != outer_sync_pb2.PullRequest.FULL_STATE:
+                raise InvalidArgument("PullRequest.kind must be UPDATE or FULL_STATE")
+            if kind == outer_sync_pb2.PullRequest.FULL_STATE:
+                state = self.c.full_state()
+                chunks, codec, digest = state.chunks, state.codec, state.state_hash
+                next_round = round_ = state.round
+        except CoordinatorError as exc:
+            await _abort(context, "PullUpdate", request.site, exc)
+        for seq, chunk in enumerate(chunks):
+            message = outer_sync_pb2.UpdateChunk(
+                header=outer_sync_pb2.ChunkHeader(
+                    run_id=self.c.cfg.run_id,
+                    round=round_,
+                    fragment=0,
+                    site=request.site,
+                    codec=codec,
+                    seq=seq,
+                    start=chunk.start,
+                    numel=chunk.numel,
+                ),
+                payload=chunk.payload,
+                next_round=next_round,
+                state_hash=digest,
+                total_chunks=len(chunks),
+                finished=next_round >= self.c.cfg.rounds,
+                kind=kind,
+            )
+            self._count(request.site, sent=message)
+            yield message
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, controller: RoundController, on_shutdown: Callable[[float], None]) -> None:
+        self.c = controller
+        self.on_shutdown = on_shutdown
+
+    async def GetStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return status_message(self.c)
+
+    async def Shutdown(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        log.info("[Admin.Shutdown] requested, grace %.1fs", request.grace_s)
+        self.on_shutdown(request.grace_s)
+        return admin_pb2.ShutdownResponse()
+
+
+def status_message(c: RoundController) -> Any:
+    now = time.monotonic()
+    sites = [
+        admin_pb2.SiteStatus(
+            site=s.name,
+            state=s.state,
+            last_round=max(s.last_round, 0),
+            lease_remaining_s=max(0.0, c.cfg.lease_s - (now - s.last_seen)) if s.state == "joined" else 0.0,
+            eval_loss=s.eval_loss,
+            train_loss=s.train_loss,
+            tokens=s.tokens,
+            bytes_in=s.bytes_in,
+            bytes_out=s.bytes_out,
+            accepted=s.accepted,
+            rejected=s.rejected,
+            hash_ok=s.hash_ok,
+            last_report_round=max(s.last_report_round, 0),
+        )
+        for s in c.sites.values()
+    ]
+    history = [
+        admin_pb2.RoundRecord(
+            round=h.round,
+            contributors=h.contributors,
+            tokens=h.tokens,
+            eval_loss=h.eval_loss,
+            eval_count=h.eval_count,
+            state_hash=h.state_hash,
+            duration_s=h.duration_s,
+            update_bytes=h.update_bytes,
+            hashes_agree=h.hashes_agree,
+            hash_reports=len(h.hash_reports),
+        )
+        for h in c.history
+    ]
+    return admin_pb2.StatusResponse(
+        run_id=c.cfg.run_id,
+        round=c.round,
+        rounds_total=c.cfg.rounds,
+        finished=c.finished,
+        sites=sites,
+        history=history,
+        wan_bytes_in=sum(s.bytes_in for s in c.sites.values()),
+        wan_bytes_out=sum(s.bytes_out for s in c.sites.values()),
+        uptime_s=now - c.started,
+        phase=c.phase,
+        num_params=c.num_params,
+    )

@@ -1,0 +1,250 @@
+"""The site's gRPC client for the outer loop (blocking; used from the site's rank 0).
+
+Unary calls are retried by gRPC itself (service-config retry policy on UNAVAILABLE); pushes
+and pulls are retried here with jittered exponential backoff, which is safe because the
+coordinator treats a repeated push for the same (run, round, fragment, site) as a no-op.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from geodiloco import __version__
+from geodiloco.compression import CodecError, EncodedChunk, decode_chunks_into, parse_pipeline
+from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
+
+log = logging.getLogger("geodiloco.site")
+
+MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+_RETRY_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [
+                    {"service": "geodiloco.v1.OuterSync", "method": m}
+                    for m in ("Join", "Heartbeat", "Report", "Leave")
+                ],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.2s",
+                    "maxBackoff": "5s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", _RETRY_SERVICE_CONFIG),
+]
+UNARY_TIMEOUT_S = 30.0
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class JoinInfo:
+    run_id: str
+    run_config_json: str
+    round: int
+    state_hash: str
+    shard_index: int
+    shard_count: int
+    num_params: int
+    heartbeat_interval_s: float
+    finished: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PulledState:
+    """The decoded result of a pull: an update (add it) or full parameters (replace)."""
+
+    is_full_state: bool
+    values: torch.Tensor
+    next_round: int
+    state_hash: str
+    finished: bool
+
+
+class OuterSyncClient:
+    """One site's connection to the coordinator; counts the bytes it sends and receives."""
+
+    def __init__(self, target: str, site: str, *, max_attempts: int = 8) -> None:
+        self.site = site
+        self.run_id = ""
+        self.max_attempts = max_attempts
+        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = outer_sync_pb2_grpc.OuterSyncStub(self.channel)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _count(self, sent: Any = None, received: Any = None) -> None:
+        with self._lock:
+            self.bytes_sent += sent.ByteSize() if sent is not None else 0
+            self.bytes_received += received.ByteSize() if received is not None else 0
+
+    def _unary(self, method: Callable[..., T], request: Any) -> T:
+        self._count(sent=request)
+        response = method(request, timeout=UNARY_TIMEOUT_S, wait_for_ready=True)
+        self._count(received=response)
+        return response
+
+    def _with_backoff(self, what: str, attempt_fn: Callable[[], T]) -> T:
+        delay = 0.2
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return attempt_fn()
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE or attempt == self.max_attempts:
+                    raise
+                log.warning("%s failed (%s), retry %d in %.1fs", what, exc.code().name, attempt, delay)
+                time.sleep(delay * random.uniform(0.5, 1.5))
+                delay = min(delay * 2, 10.0)
+        raise AssertionError("unreachable")
+
+    # -- RPCs -------------------------------------------------------------------------------
+
+    def join(self, state_hash: str = "", world_size: int = 1, run_id: str = "") -> JoinInfo:
+        r = self._unary(
+            self.stub.Join,
+            outer_sync_pb2.JoinRequest(
+                run_id=run_id, site=self.site, state_hash=state_hash, world_size=world_size, version=__version__
+            ),
+        )
+        self.run_id = r.run_id
+        return JoinInfo(
+            r.run_id, r.run_config_json, r.round, r.state_hash, r.shard_index, r.shard_count,
+            r.num_params, r.heartbeat_interval_s, r.finished,
+        )
+
+    def heartbeat(self, round_: int) -> Any:
+        return self._unary(
+            self.stub.Heartbeat,
+            outer_sync_pb2.HeartbeatRequest(run_id=self.run_id, site=self.site, round=round_),
+        )
+
+    def report(self, round_: int, digest: str, eval_loss_sum: float, eval_count: int,
+               train_loss: float, tokens: int, compute_seconds: float) -> Any:
+        return self._unary(
+            self.stub.Report,
+            outer_sync_pb2.ReportRequest(
+                run_id=self.run_id, site=self.site, round=round_, state_hash=digest,
+                eval_loss_sum=eval_loss_sum, eval_count=eval_count, train_loss=train_loss,
+                tokens=tokens, compute_seconds=compute_seconds,
+            ),
+        )
+
+    def leave(self, reason: str = "") -> None:
+        self._unary(self.stub.Leave, outer_sync_pb2.LeaveRequest(run_id=self.run_id, site=self.site, reason=reason))
+
+    def push(
+        self,
+        round_: int,
+        codec: str,
+        chunks: list[EncodedChunk],
+        tokens: int,
+        timeout_s: float = 600.0,
+    ) -> Any:
+        """Stream one round's pseudo-gradient; retried as a whole (pushes are idempotent)."""
+
+        def messages() -> Iterator[Any]:
+            for seq, chunk in enumerate(chunks):
+                msg = outer_sync_pb2.DeltaChunk(
+                    header=outer_sync_pb2.ChunkHeader(
+                        run_id=self.run_id, round=round_, fragment=0, site=self.site, codec=codec,
+                        seq=seq, start=chunk.start, numel=chunk.numel,
+                    ),
+                    payload=chunk.payload,
+                    tokens=tokens,
+                    total_chunks=len(chunks),
+                )
+                self._count(sent=msg)
+                yield msg
+
+        def attempt() -> Any:
+            ack = self.stub.PushDelta(messages(), timeout=timeout_s, wait_for_ready=True)
+            self._count(received=ack)
+            return ack
+
+        return self._with_backoff(f"push of round {round_}", attempt)
+
+    def pull(self, round_: int, num_params: int, full_state: bool = False, timeout_s: float = 900.0) -> PulledState:
+        """The update closing ``round_`` (waits for its commit), or the full current state."""
+        kind = outer_sync_pb2.PullRequest.FULL_STATE if full_state else outer_sync_pb2.PullRequest.UPDATE
+        request = outer_sync_pb2.PullRequest(run_id=self.run_id, site=self.site, round=round_, kind=kind)
+
+        def attempt() -> PulledState:
+            self._count(sent=request)
+            stream = self.stub.PullUpdate(request, timeout=timeout_s, wait_for_ready=True)
+            first = next(stream, None)
+            if first is None:
+                raise CodecError("the coordinator sent an empty update stream")
+            last = first
+
+            def chunks() -> Iterator[EncodedChunk]:
+                nonlocal last
+                for msg in itertools.chain([first], stream):
+                    self._count(received=msg)
+                    if msg.header.codec != first.header.codec:
+                        raise CodecError("codec changed in the middle of an update stream")
+                    last = msg
+                    yield EncodedChunk(msg.header.start, msg.header.numel, msg.payload)
+
+            out = torch.empty(num_params, dtype=torch.float32)
+            decode_chunks_into(parse_pipeline(first.header.codec), chunks(), out)
+            return PulledState(
+                is_full_state=last.kind == outer_sync_pb2.PullRequest.FULL_STATE,
+                values=out,
+                next_round=last.next_round,
+                state_hash=last.state_hash,
+                finished=last.finished,
+            )
+
+        return self._with_backoff(f"pull of round {round_}", attempt)
+
+
+class Heartbeater:
+    """Keeps the site's lease alive from a background thread while it trains or waits."""
+
+    def __init__(self, client: OuterSyncClient, interval_s: float) -> None:
+        self.client = client
+        self.interval_s = interval_s
+        self.round = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s + 1)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.client.heartbeat(self.round)
+            except grpc.RpcError as exc:
+                log.warning("heartbeat failed: %s", exc.code().name)

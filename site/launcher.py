@@ -1,0 +1,43 @@
+"""`geodiloco site run`: start the site's ranks with torchrun and supervise them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+
+def worker_command(module: str, nproc: int, args: list[str]) -> list[str]:
+    """A torchrun command line for ``nproc`` local ranks running ``python -m module args``."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
+        "-m", module, *args,
+    ]
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too, said explicitly
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_torchrun(module: str, nproc: int, args: list[str]) -> int:
+    """Run to completion, passing SIGINT/SIGTERM on to torchrun (which stops the ranks)."""
+    proc = subprocess.Popen(worker_command(module, nproc, args), env=worker_env())
+
+    def forward(signum: int, _frame: object) -> None:
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_site(coordinator: str, site: str, nproc: int) -> int:
+    return run_torchrun("geodiloco.site.worker", nproc, ["--coordinator", coordinator, "--site", site])

@@ -1,0 +1,87 @@
+"""One rank of a site: the reference workload's training loop (started by torchrun).
+
+Reads top to bottom: join, build, attach, then H inner steps and one outer sync per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from geodiloco.logs import setup_logging
+from geodiloco.site.outer_sync import OuterSync
+from geodiloco.workload import (
+    ShardReader,
+    build_model,
+    eval_slice,
+    eval_windows,
+    evaluate,
+    inner_step,
+    load_corpus,
+    make_inner_optimizer,
+)
+
+log = logging.getLogger("geodiloco.site")
+
+
+def init_distributed(timeout_s: float) -> tuple[int, int]:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def train(coordinator: str, site: str) -> None:
+    rank, world = init_distributed(timeout_s=3600)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    sync = OuterSync.connect(coordinator, site, world_size=world)
+    cfg = sync.config
+    model = sync.attach(build_model(cfg.model, cfg.seed))
+    ddp = DDP(model)
+    optimizer = make_inner_optimizer(model, cfg.inner)
+    corpus = load_corpus(cfg.data.paths, cfg.data.max_bytes, cfg.data.eval_fraction)
+    reader = ShardReader(corpus, shard_index=sync.shard_index, shard_count=sync.shard_count,
+                         seq_len=cfg.model.seq_len, seed=cfg.seed)
+    reader.position = sync.round * cfg.inner.steps_per_round * world * cfg.data.batch_size
+    my_eval = eval_slice(eval_windows(corpus, cfg.data.eval_sequences, cfg.model.seq_len),
+                         part=sync.shard_index * world + rank, parts=sync.shard_count * world)
+    tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
+    losses: list[float] = []
+    started = time.perf_counter()
+    while not sync.finished:
+        step = sync.round * cfg.inner.steps_per_round + sync.steps_in_round
+        x, y = reader.batch(rank, world, cfg.data.batch_size)
+        losses.append(inner_step(ddp, optimizer, cfg.inner, step, x, y))
+        compute_s = time.perf_counter() - started
+        if not sync.step(tokens=tokens_per_step):
+            continue
+        eval_sum, eval_count = evaluate(model, my_eval)
+        totals = torch.tensor([eval_sum, float(eval_count), sum(losses) / len(losses)], dtype=torch.float64)
+        dist.all_reduce(totals)
+        sync.report(float(totals[0]), int(totals[1]), float(totals[2]) / world, compute_s)
+        if rank == 0:
+            log.info("round %d done: train loss %.4f, eval slice loss %.4f",
+                     sync.round - 1, float(totals[2]) / world, float(totals[0] / totals[1]))
+        losses.clear()
+        started = time.perf_counter()
+    sync.close("finished")
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one rank of a geodiloco site (run by torchrun)")
+    parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--site", required=True)
+    args = parser.parse_args(argv)
+    setup_logging(site=args.site, rank=int(os.environ.get("RANK", "0")))
+    train(args.coordinator, args.site)
+
+
+if __name__ == "__main__":
+    main()

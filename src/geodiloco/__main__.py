@@ -1,0 +1,3 @@
+from geodiloco.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,271 @@
+"""The run's configuration: a tree of small typed dataclasses.
+
+The coordinator owns the run config and hands it to every site at join time, so all sites
+train with the same settings. Files are TOML or JSON; ``--set section.key=value`` overrides
+one value. Every error names the field and, where there is a fixed set, the accepted values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from geodiloco.compression import CodecError, parse_pipeline
+from geodiloco.workload.model import GPTConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+OUTER_OPTIMIZERS = ("nesterov", "fedavg")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot be used; the message names the field."""
+
+
+def _require(cond: bool, field_name: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field_name}: {message}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Training text. Empty ``paths`` means the running interpreter's standard library."""
+
+    paths: list[str] = field(default_factory=list)
+    max_bytes: int = 4_000_000
+    eval_fraction: float = 0.05
+    eval_sequences: int = 192
+    batch_size: int = 8  # per rank
+
+    def __post_init__(self) -> None:
+        _require(self.max_bytes > 0, "data.max_bytes", f"must be > 0, got {self.max_bytes}")
+        _require(
+            0.0 < self.eval_fraction < 0.5,
+            "data.eval_fraction",
+            f"must be in (0, 0.5), got {self.eval_fraction}",
+        )
+        _require(self.eval_sequences > 0, "data.eval_sequences", "must be > 0")
+        _require(self.batch_size > 0, "data.batch_size", f"must be > 0, got {self.batch_size}")
+
+
+@dataclass(kw_only=True, slots=True)
+class InnerConfig:
+    """The sites' own optimizer (AdamW) and the outer-sync period H."""
+
+    steps_per_round: int = 25
+    lr: float = 6e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(self.steps_per_round > 0, "inner.steps_per_round", "must be > 0")
+        _require(self.lr > 0, "inner.lr", f"must be > 0, got {self.lr}")
+        _require(self.weight_decay >= 0, "inner.weight_decay", "must be >= 0")
+        _require(self.warmup_steps >= 0, "inner.warmup_steps", "must be >= 0")
+        _require(self.grad_clip >= 0, "inner.grad_clip", "must be >= 0 (0 disables clipping)")
+
+
+@dataclass(kw_only=True, slots=True)
+class OuterConfig:
+    """The coordinator's outer optimizer.
+
+    ``nesterov`` defaults to the DiLoCo paper's lr 0.7 and momentum 0.9; ``fedavg`` is plain
+    federated averaging (lr 1, no momentum). ``warmup_rounds`` ramps momentum from 0 to its
+    value over that many rounds, which helps runs that start from scratch.
+    """
+
+    optimizer: str = "nesterov"
+    lr: float = 0.7
+    momentum: float = 0.9
+    warmup_rounds: int = 0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.optimizer in OUTER_OPTIMIZERS,
+            "outer.optimizer",
+            f"unknown value {self.optimizer!r}; accepted: {', '.join(OUTER_OPTIMIZERS)}",
+        )
+        _require(self.lr > 0, "outer.lr", f"must be > 0, got {self.lr}")
+        _require(0 <= self.momentum < 1, "outer.momentum", f"must be in [0, 1), got {self.momentum}")
+        _require(self.warmup_rounds >= 0, "outer.warmup_rounds", "must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class CompressionConfig:
+    """Codec pipelines per direction, and the chunk size of streamed payloads."""
+
+    uplink: str = "q8|zstd:3"
+    downlink: str = "q8|zstd:3"
+    chunk_elements: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("uplink", "downlink"):
+            try:
+                parse_pipeline(getattr(self, name))
+            except CodecError as exc:
+                raise ConfigError(f"compression.{name}: {exc}") from None
+        _require(
+            0 < self.chunk_elements <= 1 << 21,
+            "compression.chunk_elements",
+            f"must be in [1, {1 << 21}] (chunks stay a few MiB), got {self.chunk_elements}",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """One training run across sites."""
+
+    run_id: str = "geodiloco-run"
+    sites: list[str] = field(default_factory=lambda: ["site-1", "site-2"])
+    rounds: int = 10
+    min_sites: int = 0  # 0: every site named in `sites`
+    round_timeout_s: float = 600.0
+    heartbeat_interval_s: float = 2.0
+    lease_s: float = 15.0
+    seed: int = 1234
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.run_id), "run_id", "must not be empty")
+        _require(len(self.sites) > 0, "sites", "name at least one site")
+        _require(len(set(self.sites)) == len(self.sites), "sites", "names must be unique")
+        for name in self.sites:
+            _require(
+                bool(name) and name.replace("-", "").replace("_", "").isalnum(),
+                "sites",
+                f"site names use letters, digits, '-' and '_'; got {name!r}",
+            )
+        _require(self.rounds > 0, "rounds", f"must be > 0, got {self.rounds}")
+        _require(
+            0 <= self.min_sites <= len(self.sites),
+            "min_sites",
+            f"must be in [0, {len(self.sites)}] (0 means all sites), got {self.min_sites}",
+        )
+        _require(self.round_timeout_s > 0, "round_timeout_s", "must be > 0")
+        _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
+        _require(
+            self.lease_s > self.heartbeat_interval_s,
+            "lease_s",
+            f"must exceed heartbeat_interval_s ({self.heartbeat_interval_s}), got {self.lease_s}",
+        )
+
+    @property
+    def quorum(self) -> int:
+        return self.min_sites or len(self.sites)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        return _build(cls, data, prefix="")
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        return cls.from_dict(json.loads(text))
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(
+            f"{prefix}{unknown[0]}: unknown field; accepted: {', '.join(sorted(names))}"
+        )
+    kwargs = {key: _coerce(hints[key], value, f"{prefix}{key}") for key, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # GPTConfig validates with plain ValueError
+        raise ConfigError(str(exc)) from None
+
+
+def _coerce(hint: Any, value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, prefix=f"{path}.")
+    origin = typing.get_origin(hint)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(f"{path}: unsupported type")  # not used by the config tree
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}: expected a string, got {value!r}")
+    return value
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"outer.lr=0.5"`` -> (["outer", "lr"], 0.5); values are read as JSON when they parse."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r}: expected section.key=value")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {part} is not a section")
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a TOML or JSON file (or start from defaults) and apply ``--set`` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise ConfigError(f"config file {p}: {exc.strerror}") from None
+        try:
+            data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config file {p}: {exc}") from None
+    return RunConfig.from_dict(apply_overrides(data, overrides or []))

@@ -1,0 +1,58 @@
+"""`geodiloco status`: what the coordinator says about the run, as a table or JSON."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from geodiloco.v1 import admin_pb2, admin_pb2_grpc
+
+
+def fetch_status(target: str, timeout_s: float = 10.0) -> Any:
+    with grpc.insecure_channel(target) as channel:
+        return admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.StatusRequest(), timeout=timeout_s)
+
+
+def request_shutdown(target: str, grace_s: float = 2.0, timeout_s: float = 10.0) -> None:
+    with grpc.insecure_channel(target) as channel:
+        admin_pb2_grpc.AdminStub(channel).Shutdown(admin_pb2.ShutdownRequest(grace_s=grace_s), timeout=timeout_s)
+
+
+def status_dict(status: Any) -> dict[str, Any]:
+    return MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def _loss(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.4f}"
+
+
+def format_status(status: Any) -> str:
+    last = status.history[-1] if status.history else None
+    lines = [
+        f"run {status.run_id}: round {status.round}/{status.rounds_total} ({status.phase}), "
+        f"{status.num_params:,} parameters, up {status.uptime_s:.0f}s",
+        f"WAN bytes: {human_bytes(status.wan_bytes_in)} in, {human_bytes(status.wan_bytes_out)} out"
+        + (f"; last eval loss {_loss(last.eval_loss)} (round {last.round})" if last else ""),
+        "",
+        f"{'site':<14}{'state':<9}{'round':>6}{'lease':>8}{'eval':>9}{'train':>9}"
+        f"{'in':>11}{'out':>11}{'ok':>5}{'rej':>5}{'hash':>6}",
+    ]
+    for s in status.sites:
+        lease = f"{s.lease_remaining_s:.1f}s" if s.state == "joined" else "-"
+        lines.append(
+            f"{s.site:<14}{s.state:<9}{s.last_round:>6}{lease:>8}{_loss(s.eval_loss):>9}"
+            f"{_loss(s.train_loss):>9}{human_bytes(s.bytes_in):>11}{human_bytes(s.bytes_out):>11}"
+            f"{s.accepted:>5}{s.rejected:>5}{'ok' if s.hash_ok else 'BAD':>6}"
+        )
+    return "\n".join(lines)
