@@ -4,8 +4,8 @@ A pipeline is named by a spec string such as ``"q8|zstd:3"``: one tensor stage t
 flat fp32 tensor to bytes, then any number of byte stages. See :mod:`.pipeline`.
 """
 
-from geodiloco.compression.errors import CodecError
 from geodiloco.compression.error_feedback import ErrorFeedback
+from geodiloco.compression.errors import CodecError
 from geodiloco.compression.frames import EncodedChunk, decode_chunks_into, encode_chunks
 from geodiloco.compression.pipeline import Pipeline, known_stages, parse_pipeline
 

@@ -10,7 +10,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-
 from geodiloco.compression.errors import CodecError
 from geodiloco.compression.pipeline import Pipeline
 
@@ -40,9 +39,7 @@ def encode_chunks(
     return chunks, decoded
 
 
-def decode_chunks_into(
-    pipeline: Pipeline, chunks: Iterable[EncodedChunk], out: torch.Tensor
-) -> None:
+def decode_chunks_into(pipeline: Pipeline, chunks: Iterable[EncodedChunk], out: torch.Tensor) -> None:
     """Decode chunks into ``out``; the ranges must tile it exactly, in order."""
     expected_start = 0
     for chunk in chunks:

@@ -17,9 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from geodiloco.compression import EncodedChunk, ErrorFeedback, encode_chunks, parse_pipeline
-from geodiloco.config import RunConfig
 from geodiloco.coordinator.aggregator import WeightedMean
 from geodiloco.coordinator.errors import (
     FailedPrecondition,
@@ -27,6 +25,8 @@ from geodiloco.coordinator.errors import (
     PermissionDenied,
 )
 from geodiloco.coordinator.outer_optimizer import build_outer_optimizer
+
+from geodiloco.config import RunConfig
 from geodiloco.params import state_hash
 
 log = logging.getLogger("geodiloco.coordinator")
@@ -188,7 +188,9 @@ class RoundController:
         if tokens <= 0:
             raise InvalidArgument("tokens must be > 0")
         if delta.shape != (self.num_params,):
-            raise InvalidArgument(f"pseudo-gradient has shape {tuple(delta.shape)}, expected ({self.num_params},)")
+            raise InvalidArgument(
+                f"pseudo-gradient has shape {tuple(delta.shape)}, expected ({self.num_params},)"
+            )
         async with self._commit_lock:
             if self.check_push(name, run_id, round_):
                 return False
@@ -242,7 +244,11 @@ class RoundController:
         self._append_log(record)
         log.info(
             "round %d committed: %s, %d tokens, update %d bytes, hash %s",
-            r, ",".join(record.contributors), record.tokens, record.update_bytes, digest[:12],
+            r,
+            ",".join(record.contributors),
+            record.tokens,
+            record.update_bytes,
+            digest[:12],
         )
         await self._notify()
 
@@ -316,7 +322,13 @@ class RoundController:
             raise FailedPrecondition(f"round {round_} has not been committed")
         ok = digest == expected
         if not ok:
-            log.error("site %s diverged after round %d: hash %s, expected %s", name, round_, digest[:12], expected[:12])
+            log.error(
+                "site %s diverged after round %d: hash %s, expected %s",
+                name,
+                round_,
+                digest[:12],
+                expected[:12],
+            )
         record.hash_ok = ok
         record.last_report_round = round_
         record.train_loss = train_loss

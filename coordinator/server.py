@@ -9,15 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import torch
+from geodiloco.coordinator.rounds import RoundController
+from geodiloco.coordinator.service import AdminServicer, OuterSyncServicer
+from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from geodiloco.config import RunConfig
-from geodiloco.coordinator.rounds import RoundController
-from geodiloco.coordinator.service import AdminServicer, OuterSyncServicer
 from geodiloco.params import flatten_parameters
-from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
 from geodiloco.workload.model import build_model
 
 log = logging.getLogger("geodiloco.coordinator")
@@ -52,55 +53,84 @@ class ServeOptions:
     grace_s: float = 5.0
 
 
-def initial_parameters(cfg: RunConfig):  # noqa: ANN201
+def initial_parameters(cfg: RunConfig) -> torch.Tensor:
     """θ_0 from the run's seed: the same values every site builds on its own."""
     return flatten_parameters(build_model(cfg.model, cfg.seed))
 
 
-async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
-    controller = RoundController(cfg, initial_parameters(cfg), opts.run_dir)
-    stop = asyncio.Event()
-    grace = [opts.grace_s]
+@dataclass(slots=True)
+class RunningServer:
+    """A started coordinator server and the pieces needed to stop it gracefully."""
 
-    def request_stop(grace_s: float = opts.grace_s) -> None:
-        grace[0] = grace_s
-        stop.set()
+    server: grpc.aio.Server
+    health: health_aio.HealthServicer
+    controller: RoundController
+    port: int
+    stop: asyncio.Event
+    grace_s: float
 
+    def request_stop(self, grace_s: float | None = None) -> None:
+        if grace_s is not None:
+            self.grace_s = grace_s
+        self.stop.set()
+
+    async def shutdown(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.grace_s)
+
+
+async def start_server(
+    controller: RoundController, host: str, port: int, grace_s: float = 5.0
+) -> RunningServer:
+    """Build and start the grpc.aio server with OuterSync, Admin, health and reflection."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
+    running = RunningServer(server, health_aio.HealthServicer(), controller, 0, asyncio.Event(), grace_s)
     outer_sync_pb2_grpc.add_OuterSyncServicer_to_server(OuterSyncServicer(controller), server)
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(controller, request_stop), server)
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(controller, running.request_stop), server)
+    health_pb2_grpc.add_HealthServicer_to_server(running.health, server)
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+    running.port = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     for name in ("", *SERVICE_NAMES):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await running.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return running
+
+
+async def run_until_stopped(running: RunningServer, exit_when_finished: bool = False) -> None:
+    """Drive leases and round deadlines until asked to stop (or the run is over)."""
+    controller = running.controller
+    while not running.stop.is_set():
+        try:
+            await asyncio.wait_for(running.stop.wait(), timeout=TICK_S)
+        except asyncio.TimeoutError:
+            await controller.tick()
+            if exit_when_finished and controller.all_sites_done():
+                log.info("run %s finished and every site has left; stopping", controller.cfg.run_id)
+                running.stop.set()
+    await running.shutdown()
+    log.info("coordinator stopped at round %d", controller.round)
+
+
+async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
+    """The `geodiloco coordinator serve` process: serve until SIGINT/SIGTERM or Shutdown."""
+    controller = RoundController(cfg, initial_parameters(cfg), opts.run_dir)
+    running = await start_server(controller, opts.host, opts.port, opts.grace_s)
     log.info(
         "coordinator for run %s serving on %s:%d (%d parameters, sites: %s)",
-        cfg.run_id, opts.host, port, controller.num_params, ", ".join(cfg.sites),
+        cfg.run_id,
+        opts.host,
+        running.port,
+        controller.num_params,
+        ", ".join(cfg.sites),
     )
     if opts.port_file is not None:
         tmp = opts.port_file.with_suffix(".tmp")
-        tmp.write_text(str(port))
+        tmp.write_text(str(running.port))
         tmp.replace(opts.port_file)
-
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, request_stop)
-
-    while not stop.is_set():
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=TICK_S)
-        except asyncio.TimeoutError:
-            await controller.tick()
-            if opts.exit_when_finished and controller.all_sites_done():
-                log.info("run %s finished and every site has left; stopping", cfg.run_id)
-                stop.set()
-
-    await health.enter_graceful_shutdown()
-    await server.stop(grace[0])
-    log.info("coordinator stopped at round %d", controller.round)
+        loop.add_signal_handler(sig, running.request_stop)
+    await run_until_stopped(running, opts.exit_when_finished)

@@ -15,13 +15,13 @@ from typing import Any
 
 import grpc
 import torch
-from google.protobuf.message import Message
-
-from geodiloco import __version__
 from geodiloco.compression import CodecError
 from geodiloco.coordinator.errors import CoordinatorError, InvalidArgument
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
+from google.protobuf.message import Message
+
+from geodiloco import __version__
 
 log = logging.getLogger("geodiloco.coordinator")
 
@@ -66,7 +66,9 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         async def handle() -> Any:
             record = await self.c.join(request.site, request.run_id)
             if request.version and request.version != __version__:
-                log.warning("site %s runs geodiloco %s, coordinator %s", request.site, request.version, __version__)
+                log.warning(
+                    "site %s runs geodiloco %s, coordinator %s", request.site, request.version, __version__
+                )
             return outer_sync_pb2.JoinResponse(
                 run_id=self.c.cfg.run_id,
                 run_config_json=self.c.cfg.to_json(),
@@ -173,7 +175,13 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         h, f = chunk.header, first.header
         if h.seq != index:
             raise InvalidArgument(f"chunk {index} carries sequence number {h.seq}")
-        if (h.run_id, h.round, h.fragment, h.site, h.codec) != (f.run_id, f.round, f.fragment, f.site, f.codec):
+        if (h.run_id, h.round, h.fragment, h.site, h.codec) != (
+            f.run_id,
+            f.round,
+            f.fragment,
+            f.site,
+            f.codec,
+        ):
             raise InvalidArgument(f"chunk {h.seq} header differs from the stream's first chunk")
         if (chunk.tokens, chunk.total_chunks) != (first.tokens, first.total_chunks):
             raise InvalidArgument(f"chunk {h.seq}: tokens or total_chunks changed mid-stream")

@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-python -m grpc_tools.protoc -Iprotos \
+"${PYTHON:-python}" -m grpc_tools.protoc -Iprotos \
   --python_out="$tmp" --grpc_python_out="$tmp" --mypy_out="$tmp" --mypy_grpc_out="$tmp" \
   protos/geodiloco/v1/*.proto
 status=0

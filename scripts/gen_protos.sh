@@ -2,7 +2,7 @@
 # Regenerates the committed gRPC stubs (geodiloco.v1) from protos/geodiloco/v1/*.proto.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m grpc_tools.protoc -Iprotos \
+"${PYTHON:-python}" -m grpc_tools.protoc -Iprotos \
   --python_out=protos --grpc_python_out=protos --mypy_out=protos --mypy_grpc_out=protos \
   protos/geodiloco/v1/*.proto
 touch protos/geodiloco/v1/py.typed

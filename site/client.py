@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
-
-from geodiloco import __version__
 from geodiloco.compression import CodecError, EncodedChunk, decode_chunks_into, parse_pipeline
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
+
+from geodiloco import __version__
 
 log = logging.getLogger("geodiloco.site")
 
@@ -130,13 +130,24 @@ class OuterSyncClient:
         r = self._unary(
             self.stub.Join,
             outer_sync_pb2.JoinRequest(
-                run_id=run_id, site=self.site, state_hash=state_hash, world_size=world_size, version=__version__
+                run_id=run_id,
+                site=self.site,
+                state_hash=state_hash,
+                world_size=world_size,
+                version=__version__,
             ),
         )
         self.run_id = r.run_id
         return JoinInfo(
-            r.run_id, r.run_config_json, r.round, r.state_hash, r.shard_index, r.shard_count,
-            r.num_params, r.heartbeat_interval_s, r.finished,
+            r.run_id,
+            r.run_config_json,
+            r.round,
+            r.state_hash,
+            r.shard_index,
+            r.shard_count,
+            r.num_params,
+            r.heartbeat_interval_s,
+            r.finished,
         )
 
     def heartbeat(self, round_: int) -> Any:
@@ -145,19 +156,35 @@ class OuterSyncClient:
             outer_sync_pb2.HeartbeatRequest(run_id=self.run_id, site=self.site, round=round_),
         )
 
-    def report(self, round_: int, digest: str, eval_loss_sum: float, eval_count: int,
-               train_loss: float, tokens: int, compute_seconds: float) -> Any:
+    def report(
+        self,
+        round_: int,
+        digest: str,
+        eval_loss_sum: float,
+        eval_count: int,
+        train_loss: float,
+        tokens: int,
+        compute_seconds: float,
+    ) -> Any:
         return self._unary(
             self.stub.Report,
             outer_sync_pb2.ReportRequest(
-                run_id=self.run_id, site=self.site, round=round_, state_hash=digest,
-                eval_loss_sum=eval_loss_sum, eval_count=eval_count, train_loss=train_loss,
-                tokens=tokens, compute_seconds=compute_seconds,
+                run_id=self.run_id,
+                site=self.site,
+                round=round_,
+                state_hash=digest,
+                eval_loss_sum=eval_loss_sum,
+                eval_count=eval_count,
+                train_loss=train_loss,
+                tokens=tokens,
+                compute_seconds=compute_seconds,
             ),
         )
 
     def leave(self, reason: str = "") -> None:
-        self._unary(self.stub.Leave, outer_sync_pb2.LeaveRequest(run_id=self.run_id, site=self.site, reason=reason))
+        self._unary(
+            self.stub.Leave, outer_sync_pb2.LeaveRequest(run_id=self.run_id, site=self.site, reason=reason)
+        )
 
     def push(
         self,
@@ -173,8 +200,14 @@ class OuterSyncClient:
             for seq, chunk in enumerate(chunks):
                 msg = outer_sync_pb2.DeltaChunk(
                     header=outer_sync_pb2.ChunkHeader(
-                        run_id=self.run_id, round=round_, fragment=0, site=self.site, codec=codec,
-                        seq=seq, start=chunk.start, numel=chunk.numel,
+                        run_id=self.run_id,
+                        round=round_,
+                        fragment=0,
+                        site=self.site,
+                        codec=codec,
+                        seq=seq,
+                        start=chunk.start,
+                        numel=chunk.numel,
                     ),
                     payload=chunk.payload,
                     tokens=tokens,
@@ -190,7 +223,9 @@ class OuterSyncClient:
 
         return self._with_backoff(f"push of round {round_}", attempt)
 
-    def pull(self, round_: int, num_params: int, full_state: bool = False, timeout_s: float = 900.0) -> PulledState:
+    def pull(
+        self, round_: int, num_params: int, full_state: bool = False, timeout_s: float = 900.0
+    ) -> PulledState:
         """The update closing ``round_`` (waits for its commit), or the full current state."""
         kind = outer_sync_pb2.PullRequest.FULL_STATE if full_state else outer_sync_pb2.PullRequest.UPDATE
         request = outer_sync_pb2.PullRequest(run_id=self.run_id, site=self.site, round=round_, kind=kind)

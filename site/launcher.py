@@ -11,9 +11,15 @@ import sys
 def worker_command(module: str, nproc: int, args: list[str]) -> list[str]:
     """A torchrun command line for ``nproc`` local ranks running ``python -m module args``."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
-        "-m", module, *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        "-m",
+        module,
+        *args,
     ]
 
 

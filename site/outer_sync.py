@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from geodiloco.compression import ErrorFeedback, encode_chunks, parse_pipeline
+from geodiloco.site.client import Heartbeater, JoinInfo, OuterSyncClient, PulledState
 from torch import nn
 
-from geodiloco.compression import ErrorFeedback, encode_chunks, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.params import flatten_parameters, load_flat_parameters, state_hash
-from geodiloco.site.client import Heartbeater, JoinInfo, OuterSyncClient, PulledState
 
 log = logging.getLogger("geodiloco.site")
 
@@ -71,13 +71,19 @@ class OuterSync:
     @classmethod
     def connect(cls, target: str, site: str, world_size: int = 1) -> OuterSync:
         """Join the run (rank 0) and share what the coordinator said with the site's ranks."""
-        client, info = None, None
+        client, joined = None, None
         if _rank() == 0:
             client = OuterSyncClient(target, site)
-            info = client.join(world_size=world_size)
-            log.info("site %s joined run %s at round %d (shard %d of %d)",
-                     site, info.run_id, info.round, info.shard_index, info.shard_count)
-        info = _broadcast_object(info)
+            joined = client.join(world_size=world_size)
+            log.info(
+                "site %s joined run %s at round %d (shard %d of %d)",
+                site,
+                joined.run_id,
+                joined.round,
+                joined.shard_index,
+                joined.shard_count,
+            )
+        info = _broadcast_object(joined)
         assert isinstance(info, JoinInfo)
         sync = cls(client, info)
         if client is not None:
@@ -131,18 +137,22 @@ class OuterSync:
             to_send = self.feedback.compensate(delta)
             chunks, decoded = encode_chunks(self.uplink, to_send, self.config.compression.chunk_elements)
             self.feedback.record(to_send, decoded)
-            self.client.push(closed, self.uplink.spec, chunks, int(tokens.item()),
-                             timeout_s=self.config.round_timeout_s + 60)
+            self.client.push(
+                closed,
+                self.uplink.spec,
+                chunks,
+                int(tokens.item()),
+                timeout_s=self.config.round_timeout_s + 60,
+            )
         pulled = self._pull(full_state=False)
-        if pulled.is_full_state:
-            new = pulled.values
-        else:
-            new = self.snapshot + pulled.values
+        new = pulled.values if pulled.is_full_state else self.snapshot + pulled.values
         load_flat_parameters(self.model, new)
         self.snapshot = new
         digest = state_hash(new)
         if self.client is not None and digest != pulled.state_hash:
-            log.error("parameters diverged after round %d: %s != %s", closed, digest[:12], pulled.state_hash[:12])
+            log.error(
+                "parameters diverged after round %d: %s != %s", closed, digest[:12], pulled.state_hash[:12]
+            )
         self.round, self.finished = pulled.next_round, pulled.finished
         self.steps_in_round = self.tokens_in_round = 0
         self.last_result = RoundResult(closed, digest, int(tokens.item()), pulled.finished)
@@ -155,25 +165,32 @@ class OuterSync:
         meta: PulledState | None = None
         values = torch.empty(self.info.num_params, dtype=torch.float32)
         if self.client is not None:
-            pulled = self.client.pull(self.round, self.info.num_params, full_state=full_state,
-                                      timeout_s=self.config.round_timeout_s + 300)
+            pulled = self.client.pull(
+                self.round,
+                self.info.num_params,
+                full_state=full_state,
+                timeout_s=self.config.round_timeout_s + 300,
+            )
             values = pulled.values
-            meta = PulledState(pulled.is_full_state, torch.empty(0), pulled.next_round,
-                               pulled.state_hash, pulled.finished)
+            meta = PulledState(
+                pulled.is_full_state, torch.empty(0), pulled.next_round, pulled.state_hash, pulled.finished
+            )
         meta = _broadcast_object(meta)  # type: ignore[assignment]
         assert isinstance(meta, PulledState)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(values, src=0)
         return PulledState(meta.is_full_state, values, meta.next_round, meta.state_hash, meta.finished)
 
-    def report(self, eval_loss_sum: float, eval_count: int, train_loss: float,
-               compute_seconds: float) -> None:
+    def report(
+        self, eval_loss_sum: float, eval_count: int, train_loss: float, compute_seconds: float
+    ) -> None:
         """Tell the coordinator this site's hash and metrics for the round just closed (rank 0)."""
         if self.client is None or self.last_result is None:
             return
         r = self.last_result
-        response = self.client.report(r.round, r.state_hash, eval_loss_sum, eval_count,
-                                      train_loss, r.tokens, compute_seconds)
+        response = self.client.report(
+            r.round, r.state_hash, eval_loss_sum, eval_count, train_loss, r.tokens, compute_seconds
+        )
         if not response.hash_ok:
             log.error("coordinator reports a hash mismatch after round %d", r.round)
 

@@ -13,10 +13,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from geodiloco.site.outer_sync import OuterSync
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from geodiloco.logs import setup_logging
-from geodiloco.site.outer_sync import OuterSync
 from geodiloco.workload import (
     ShardReader,
     build_model,
@@ -46,11 +46,19 @@ def train(coordinator: str, site: str) -> None:
     ddp = DDP(model)
     optimizer = make_inner_optimizer(model, cfg.inner)
     corpus = load_corpus(cfg.data.paths, cfg.data.max_bytes, cfg.data.eval_fraction)
-    reader = ShardReader(corpus, shard_index=sync.shard_index, shard_count=sync.shard_count,
-                         seq_len=cfg.model.seq_len, seed=cfg.seed)
+    reader = ShardReader(
+        corpus,
+        shard_index=sync.shard_index,
+        shard_count=sync.shard_count,
+        seq_len=cfg.model.seq_len,
+        seed=cfg.seed,
+    )
     reader.position = sync.round * cfg.inner.steps_per_round * world * cfg.data.batch_size
-    my_eval = eval_slice(eval_windows(corpus, cfg.data.eval_sequences, cfg.model.seq_len),
-                         part=sync.shard_index * world + rank, parts=sync.shard_count * world)
+    my_eval = eval_slice(
+        eval_windows(corpus, cfg.data.eval_sequences, cfg.model.seq_len),
+        part=sync.shard_index * world + rank,
+        parts=sync.shard_count * world,
+    )
     tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
     losses: list[float] = []
     started = time.perf_counter()
@@ -66,8 +74,12 @@ def train(coordinator: str, site: str) -> None:
         dist.all_reduce(totals)
         sync.report(float(totals[0]), int(totals[1]), float(totals[2]) / world, compute_s)
         if rank == 0:
-            log.info("round %d done: train loss %.4f, eval slice loss %.4f",
-                     sync.round - 1, float(totals[2]) / world, float(totals[0] / totals[1]))
+            log.info(
+                "round %d done: train loss %.4f, eval slice loss %.4f",
+                sync.round - 1,
+                float(totals[2]) / world,
+                float(totals[0] / totals[1]),
+            )
         losses.clear()
         started = time.perf_counter()
     sync.close("finished")

@@ -59,8 +59,9 @@ def cross_site_bytes(allreduced_bytes: int, sites: int) -> int:
 
 
 def run(cfg: RunConfig, ranks_per_site: int, out: Path | None) -> None:
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                            timeout=datetime.timedelta(seconds=3600))
+    dist.init_process_group(
+        "nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(seconds=3600)
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     sites = world // ranks_per_site
@@ -73,10 +74,12 @@ def run(cfg: RunConfig, ranks_per_site: int, out: Path | None) -> None:
     ddp.register_comm_hook(counter, counting_allreduce_hook)
     optimizer = make_inner_optimizer(model, cfg.inner)
     corpus = load_corpus(cfg.data.paths, cfg.data.max_bytes, cfg.data.eval_fraction)
-    reader = ShardReader(corpus, shard_index=site, shard_count=sites,
-                         seq_len=cfg.model.seq_len, seed=cfg.seed)
-    my_eval = eval_slice(eval_windows(corpus, cfg.data.eval_sequences, cfg.model.seq_len),
-                         part=rank, parts=world)
+    reader = ShardReader(
+        corpus, shard_index=site, shard_count=sites, seq_len=cfg.model.seq_len, seed=cfg.seed
+    )
+    my_eval = eval_slice(
+        eval_windows(corpus, cfg.data.eval_sequences, cfg.model.seq_len), part=rank, parts=world
+    )
     H = cfg.inner.steps_per_round
     tokens_per_step = cfg.data.batch_size * cfg.model.seq_len * world
     curve: list[dict[str, float]] = []
@@ -98,8 +101,11 @@ def run(cfg: RunConfig, ranks_per_site: int, out: Path | None) -> None:
         }
         curve.append(point)
         if rank == 0:
-            print(f"baseline step {step + 1}/{cfg.rounds * H}  eval {point['eval_loss']:.4f}  "
-                  f"wan {point['wan_bytes'] / 1e6:.1f} MB  elapsed {point['elapsed_s']:.0f}s", flush=True)
+            print(
+                f"baseline step {step + 1}/{cfg.rounds * H}  eval {point['eval_loss']:.4f}  "
+                f"wan {point['wan_bytes'] / 1e6:.1f} MB  elapsed {point['elapsed_s']:.0f}s",
+                flush=True,
+            )
     if rank == 0 and out is not None:
         result = {
             "final_eval_loss": curve[-1]["eval_loss"],

@@ -22,8 +22,14 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="run config file (TOML or JSON); defaults otherwise")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one config value, e.g. --set outer.momentum=0.5 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config value, e.g. --set outer.momentum=0.5 (repeatable)",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -52,8 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=50051, help="port (0 picks a free one)")
     serve.add_argument("--run-dir", type=Path, help="where the round log is written")
     serve.add_argument("--port-file", type=Path, help="write the bound port here once serving")
-    serve.add_argument("--exit-when-finished", action="store_true",
-                       help="stop once the last round is committed and every site has left")
+    serve.add_argument(
+        "--exit-when-finished",
+        action="store_true",
+        help="stop once the last round is committed and every site has left",
+    )
 
     site = sub.add_parser("site", help="the per-site daemon")
     site_sub = site.add_subparsers(dest="action", required=True)
@@ -72,8 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sites", type=_positive_int, default=3, help="number of sites (default 3)")
     demo.add_argument("--ranks-per-site", type=_positive_int, default=2, help="ranks per site (default 2)")
     demo.add_argument("--no-baseline", action="store_true", help="skip the synchronous baseline")
-    demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a demo config value, e.g. --set rounds=8 (repeatable)")
+    demo.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a demo config value, e.g. --set rounds=8 (repeatable)",
+    )
 
     baseline = sub.add_parser("baseline", help="only the synchronous data-parallel baseline")
     _add_config_args(baseline)
@@ -86,8 +101,13 @@ def _serve(args: argparse.Namespace) -> int:
     from geodiloco.coordinator.server import ServeOptions, serve
 
     cfg = load_config(args.config, args.overrides)
-    opts = ServeOptions(host=args.host, port=args.port, run_dir=args.run_dir,
-                        port_file=args.port_file, exit_when_finished=args.exit_when_finished)
+    opts = ServeOptions(
+        host=args.host,
+        port=args.port,
+        run_dir=args.run_dir,
+        port_file=args.port_file,
+        exit_when_finished=args.exit_when_finished,
+    )
     asyncio.run(serve(cfg, opts))
     return 0
 
@@ -104,8 +124,10 @@ def _status(args: argparse.Namespace) -> int:
     try:
         status = fetch_status(args.coordinator)
     except grpc.RpcError as exc:
-        print(f"geodiloco status: cannot reach {args.coordinator}: {exc.code().name} {exc.details()}",
-              file=sys.stderr)
+        print(
+            f"geodiloco status: cannot reach {args.coordinator}: {exc.code().name} {exc.details()}",
+            file=sys.stderr,
+        )
         return 2
     print(json.dumps(status_dict(status), indent=2) if args.json else format_status(status))
     return 0
@@ -114,8 +136,14 @@ def _status(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from geodiloco.demo import DemoOptions, demo_config, run_demo
 
-    opts = DemoOptions(sites=args.sites, ranks_per_site=args.ranks_per_site, run_dir=args.run_dir,
-                       json_path=args.json_path, overrides=args.overrides, baseline=not args.no_baseline)
+    opts = DemoOptions(
+        sites=args.sites,
+        ranks_per_site=args.ranks_per_site,
+        run_dir=args.run_dir,
+        json_path=args.json_path,
+        overrides=args.overrides,
+        baseline=not args.no_baseline,
+    )
     demo_config(opts)  # validate before starting any process
     try:
         run_demo(opts)

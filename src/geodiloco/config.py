@@ -189,9 +189,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(
-            f"{prefix}{unknown[0]}: unknown field; accepted: {', '.join(sorted(names))}"
-        )
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown field; accepted: {', '.join(sorted(names))}")
     kwargs = {key: _coerce(hints[key], value, f"{prefix}{key}") for key, value in data.items()}
     try:
         return cls(**kwargs)
@@ -202,7 +200,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 
 def _coerce(hint: Any, value: Any, path: str) -> Any:
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, prefix=f"{path}.")
     origin = typing.get_origin(hint)
     if origin is list:

@@ -76,20 +76,46 @@ def run_diloco(cfg: RunConfig, opts: DemoOptions, run_dir: Path) -> dict[str, An
     port_file.unlink(missing_ok=True)
     started = time.monotonic()
     coordinator = _spawn(
-        [sys.executable, "-m", "geodiloco", "coordinator", "serve", "--config", str(config_path),
-         "--port", "0", "--port-file", str(port_file), "--run-dir", str(run_dir / "coordinator"),
-         "--exit-when-finished"],
+        [
+            sys.executable,
+            "-m",
+            "geodiloco",
+            "coordinator",
+            "serve",
+            "--config",
+            str(config_path),
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--run-dir",
+            str(run_dir / "coordinator"),
+        ],
         run_dir / "coordinator.log",
     )
     sites: dict[str, subprocess.Popen[bytes]] = {}
     try:
         target = f"127.0.0.1:{_wait_for_port(port_file, coordinator)}"
-        print(f"coordinator on {target}; starting {len(cfg.sites)} sites x {opts.ranks_per_site} ranks "
-              f"(logs in {run_dir})", flush=True)
+        print(
+            f"coordinator on {target}; starting {len(cfg.sites)} sites x {opts.ranks_per_site} ranks "
+            f"(logs in {run_dir})",
+            flush=True,
+        )
         for name in cfg.sites:
             sites[name] = _spawn(
-                [sys.executable, "-m", "geodiloco", "site", "run", "--name", name,
-                 "--coordinator", target, "--nproc", str(opts.ranks_per_site)],
+                [
+                    sys.executable,
+                    "-m",
+                    "geodiloco",
+                    "site",
+                    "run",
+                    "--name",
+                    name,
+                    "--coordinator",
+                    target,
+                    "--nproc",
+                    str(opts.ranks_per_site),
+                ],
                 run_dir / f"{name}.log",
             )
         return _watch(cfg, target, coordinator, sites, run_dir, started, opts.timeout_s)
@@ -129,7 +155,7 @@ def _watch(
                 raise RuntimeError(f"the coordinator exited:\n{_tail(run_dir / 'coordinator.log')}") from None
             time.sleep(0.5)
             continue
-        for record in status.history[len(curve):]:
+        for record in status.history[len(curve) :]:
             if record.hash_reports < len(record.contributors):
                 break  # wait until every contributor has reported its hash and eval loss
             tokens_per_round = record.tokens
@@ -142,9 +168,12 @@ def _watch(
                 "elapsed_s": time.monotonic() - started,
             }
             curve.append(point)
-            print(f"diloco round {record.round + 1}/{cfg.rounds}  eval {record.eval_loss:.4f}  "
-                  f"wan {human_bytes(point['wan_bytes'])}  elapsed {point['elapsed_s']:.0f}s  "
-                  f"hashes {'agree' if record.hashes_agree else 'DISAGREE'}", flush=True)
+            print(
+                f"diloco round {record.round + 1}/{cfg.rounds}  eval {record.eval_loss:.4f}  "
+                f"wan {human_bytes(point['wan_bytes'])}  elapsed {point['elapsed_s']:.0f}s  "
+                f"hashes {'agree' if record.hashes_agree else 'DISAGREE'}",
+                flush=True,
+            )
         if status.finished and len(curve) == cfg.rounds and all(s.state != "joined" for s in status.sites):
             break
         time.sleep(1.0)
@@ -187,16 +216,20 @@ def run_baseline(cfg: RunConfig, ranks_per_site: int, run_dir: Path) -> dict[str
 def summary_table(summary: dict[str, Any]) -> str:
     d, b = summary["diloco"], summary.get("baseline")
     rows = [("", "DiLoCo", "sync DP (baseline)")]
-    rows.append(("final eval loss", f"{d['final_eval_loss']:.4f}", f"{b['final_eval_loss']:.4f}" if b else "-"))
+    rows.append(
+        ("final eval loss", f"{d['final_eval_loss']:.4f}", f"{b['final_eval_loss']:.4f}" if b else "-")
+    )
     rows.append(("WAN bytes", human_bytes(d["wan_bytes"]), human_bytes(b["wan_bytes"]) if b else "-"))
     rows.append(("tokens", f"{d['tokens']:,}", f"{b['tokens']:,}" if b else "-"))
     rows.append(("wall time", f"{d['wall_seconds']:.0f}s", f"{b['wall_seconds']:.0f}s" if b else "-"))
     width = [max(len(r[i]) for r in rows) + 2 for i in range(3)]
     lines = ["".join(cell.ljust(width[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
     if b:
-        lines.append(f"\nloss ratio DiLoCo/baseline: {d['final_eval_loss'] / b['final_eval_loss']:.3f}   "
-                     f"WAN bytes baseline/DiLoCo: {b['wan_bytes'] / d['wan_bytes']:.0f}x   "
-                     f"replica hashes agree every round: {'yes' if d['hashes_agree'] else 'NO'}")
+        lines.append(
+            f"\nloss ratio DiLoCo/baseline: {d['final_eval_loss'] / b['final_eval_loss']:.3f}   "
+            f"WAN bytes baseline/DiLoCo: {b['wan_bytes'] / d['wan_bytes']:.0f}x   "
+            f"replica hashes agree every round: {'yes' if d['hashes_agree'] else 'NO'}"
+        )
     return "\n".join(lines)
 
 
@@ -205,16 +238,24 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     started = time.monotonic()
     run_dir = opts.run_dir or Path(tempfile.mkdtemp(prefix="geodiloco-demo-"))
     run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"geodiloco demo: {len(cfg.sites)} sites x {opts.ranks_per_site} ranks, H={cfg.inner.steps_per_round}, "
-          f"{cfg.rounds} rounds, outer {cfg.outer.optimizer} lr {cfg.outer.lr} momentum {cfg.outer.momentum}, "
-          f"codec {cfg.compression.uplink}", flush=True)
+    print(
+        f"geodiloco demo: {len(cfg.sites)} sites x {opts.ranks_per_site} ranks, "
+        f"H={cfg.inner.steps_per_round}, {cfg.rounds} rounds, "
+        f"outer {cfg.outer.optimizer} lr {cfg.outer.lr} momentum {cfg.outer.momentum}, "
+        f"codec {cfg.compression.uplink}",
+        flush=True,
+    )
     summary: dict[str, Any] = {
         "sites": len(cfg.sites),
         "ranks_per_site": opts.ranks_per_site,
         "inner_steps": cfg.inner.steps_per_round,
         "rounds": cfg.rounds,
-        "tokens": cfg.rounds * cfg.inner.steps_per_round * cfg.data.batch_size * cfg.model.seq_len
-        * opts.ranks_per_site * len(cfg.sites),
+        "tokens": cfg.rounds
+        * cfg.inner.steps_per_round
+        * cfg.data.batch_size
+        * cfg.model.seq_len
+        * opts.ranks_per_site
+        * len(cfg.sites),
         "run_dir": str(run_dir),
     }
     summary["diloco"] = run_diloco(cfg, opts, run_dir)

@@ -18,7 +18,9 @@ def fetch_status(target: str, timeout_s: float = 10.0) -> Any:
 
 def request_shutdown(target: str, grace_s: float = 2.0, timeout_s: float = 10.0) -> None:
     with grpc.insecure_channel(target) as channel:
-        admin_pb2_grpc.AdminStub(channel).Shutdown(admin_pb2.ShutdownRequest(grace_s=grace_s), timeout=timeout_s)
+        admin_pb2_grpc.AdminStub(channel).Shutdown(
+            admin_pb2.ShutdownRequest(grace_s=grace_s), timeout=timeout_s
+        )
 
 
 def status_dict(status: Any) -> dict[str, Any]:

@@ -52,12 +52,14 @@ def load_corpus(paths: list[str], max_bytes: int, eval_fraction: float) -> Corpu
     files = stdlib_sources() if not paths else _text_files(paths)
     files.sort(key=lambda p: _stable_key(p, root))
     every = max(2, round(1 / eval_fraction))
-    train, held_out, total = [], [], 0
+    train: list[bytes] = []
+    held_out: list[bytes] = []
+    total = 0
     for i, path in enumerate(files):
         data = path.read_bytes()
         (held_out if i % every == every - 1 else train).append(data)
         total += len(data)
-        if total >= max_bytes:
+        if total >= max_bytes and held_out:
             break
     if not train or not held_out:
         raise ValueError("data: too little text to split into training and evaluation parts")

@@ -1,0 +1,42 @@
+# Two commands a newcomer needs:  `make demo` (set up, then run the demo) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH_PIN := torch==2.13.0
+
+.PHONY: setup demo test test-fast lint protos check-protos clean
+
+setup: $(VENV)/.installed
+
+# torch is pinned first: a bare `torch` requirement would pull a multi-GB CUDA build.
+# The editable install is strict (a link tree under build/) so that mypy can follow it;
+# run `make setup` again after adding a module.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install $(TORCH_PIN)
+	$(BIN)/pip install -e ".[dev]" --config-settings editable_mode=strict
+	touch $@
+
+demo: setup
+	$(BIN)/geodiloco demo --json runs/demo.json --run-dir runs/demo
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not integration" tests
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy -p geodiloco
+
+protos: setup
+	PATH=$(BIN):$$PATH scripts/gen_protos.sh
+
+check-protos: setup
+	PATH=$(BIN):$$PATH scripts/check_protos.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info runs .pytest_cache .mypy_cache .ruff_cache

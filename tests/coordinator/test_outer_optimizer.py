@@ -1,0 +1,61 @@
+import pytest
+import torch
+from geodiloco.coordinator.aggregator import WeightedMean
+from geodiloco.coordinator.outer_optimizer import FedAvgOuter, NesterovOuter, build_outer_optimizer
+
+from geodiloco.config import OuterConfig
+
+
+def test_nesterov_matches_hand_computation() -> None:
+    opt = NesterovOuter(lr=0.7, momentum=0.9)
+    d1 = torch.tensor([1.0, -2.0, 0.5])
+    d2 = torch.tensor([0.5, 1.0, -1.0])
+    # round 1: m = d1; change = -0.7 * (d1 + 0.9 * d1) = -1.33 * d1
+    assert torch.allclose(opt.step(d1), torch.tensor([-1.33, 2.66, -0.665]))
+    # round 2: m = 0.9 * d1 + d2 = [1.4, -0.8, -0.55]; change = -0.7 * (d2 + 0.9 m)
+    expected = -0.7 * (torch.tensor([0.5, 1.0, -1.0]) + 0.9 * torch.tensor([1.4, -0.8, -0.55]))
+    assert torch.allclose(opt.step(d2), expected)
+    assert torch.allclose(opt.buffer, torch.tensor([1.4, -0.8, -0.55]))
+
+
+def test_nesterov_momentum_warmup_ramps_linearly() -> None:
+    opt = NesterovOuter(lr=1.0, momentum=0.8, warmup_rounds=4)
+    d = torch.ones(2)
+    assert torch.allclose(opt.step(d), -d)  # momentum 0 in the first round
+    assert opt.current_momentum() == pytest.approx(0.2)
+    for _ in range(5):
+        opt.step(d)
+    assert opt.current_momentum() == pytest.approx(0.8)
+
+
+def test_fedavg_is_the_average_of_site_parameters() -> None:
+    theta = torch.tensor([1.0, 2.0])
+    site_a, site_b = torch.tensor([0.0, 2.0]), torch.tensor([1.0, 4.0])
+    mean = WeightedMean(2)
+    mean.add("a", theta - site_a, tokens=300)
+    mean.add("b", theta - site_b, tokens=100)
+    change = FedAvgOuter().step(mean.mean())
+    # token-weighted: (300 * site_a + 100 * site_b) / 400
+    assert torch.allclose(theta + change, torch.tensor([0.25, 2.5]))
+
+
+def test_weighted_mean_refuses_empty_and_zero_weight() -> None:
+    mean = WeightedMean(3)
+    with pytest.raises(ValueError):
+        mean.mean()
+    with pytest.raises(ValueError):
+        mean.add("a", torch.zeros(3), tokens=0)
+
+
+def test_state_dict_roundtrip_resumes_identically() -> None:
+    a = NesterovOuter(lr=0.7, momentum=0.9)
+    a.step(torch.ones(4))
+    b = NesterovOuter(lr=0.7, momentum=0.9)
+    b.load_state_dict(a.state_dict())
+    d = torch.arange(4.0)
+    assert torch.equal(a.step(d), b.step(d))
+
+
+def test_build_from_config() -> None:
+    assert isinstance(build_outer_optimizer(OuterConfig(optimizer="fedavg", lr=1.0)), FedAvgOuter)
+    assert isinstance(build_outer_optimizer(OuterConfig()), NesterovOuter)

@@ -1,0 +1,180 @@
+"""The coordinator's gRPC service, against a real server on loopback with raw clients."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from geodiloco.compression import encode_chunks, parse_pipeline
+from geodiloco.site.client import OuterSyncClient
+from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import CoordinatorThread, tiny_config
+
+from geodiloco.params import state_hash
+
+pytestmark = pytest.mark.integration
+
+
+def push_messages(
+    client: OuterSyncClient,
+    round_: int,
+    delta: torch.Tensor,
+    tokens: int = 100,
+    codec: str = "q8|zstd:3",
+    chunk_elements: int = 1 << 20,
+) -> list[Any]:
+    chunks, _ = encode_chunks(parse_pipeline(codec), delta, chunk_elements)
+    return [
+        outer_sync_pb2.DeltaChunk(
+            header=outer_sync_pb2.ChunkHeader(
+                run_id=client.run_id,
+                round=round_,
+                site=client.site,
+                codec=codec,
+                seq=i,
+                start=c.start,
+                numel=c.numel,
+            ),
+            payload=c.payload,
+            tokens=tokens,
+            total_chunks=len(chunks),
+        )
+        for i, c in enumerate(chunks)
+    ]
+
+
+@pytest.fixture
+def coordinator() -> Any:
+    cfg = tiny_config(min_sites=1, round_timeout_s=2.0, rounds=2)
+    with CoordinatorThread(cfg) as c:
+        yield c
+
+
+def test_wrong_shape_is_invalid_argument_and_round_completes_with_the_other_site(
+    coordinator: CoordinatorThread,
+) -> None:
+    n = coordinator.controller.num_params
+    good, bad = OuterSyncClient(coordinator.target, "site-a"), OuterSyncClient(coordinator.target, "site-b")
+    good.join(), bad.join()
+    stub = outer_sync_pb2_grpc.OuterSyncStub(bad.channel)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushDelta(iter(push_messages(bad, 0, torch.randn(n + 5))), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "outside the model" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushDelta(iter(push_messages(bad, 0, torch.randn(n - 5))), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert coordinator.controller.round == 0
+    assert coordinator.controller.sites["site-b"].rejected == 2
+
+    delta = torch.randn(n) * 1e-2
+    good.push(0, "q8|zstd:3", encode_chunks(parse_pipeline("q8|zstd:3"), delta, 1 << 20)[0], tokens=64)
+    pulled = good.pull(0, n)  # the round closes at its deadline with site-a alone
+    assert pulled.next_round == 1 and not pulled.is_full_state
+    record = coordinator.controller.history[0]
+    assert record.contributors == ["site-a"]
+    assert pulled.state_hash == coordinator.controller.hashes[1]
+
+
+def test_push_is_idempotent(coordinator: CoordinatorThread) -> None:
+    n = coordinator.controller.num_params
+    a = OuterSyncClient(coordinator.target, "site-a")
+    a.join()
+    msgs = push_messages(a, 0, torch.randn(n) * 1e-2, chunk_elements=1000)
+    assert len(msgs) > 1
+    stub = outer_sync_pb2_grpc.OuterSyncStub(a.channel)
+    first = stub.PushDelta(iter(msgs), timeout=10)
+    again = stub.PushDelta(iter(msgs), timeout=10)
+    assert not first.duplicate and again.duplicate
+    assert coordinator.controller.sites["site-a"].accepted == 1
+
+
+def test_unknown_site_and_wrong_run_are_refused(coordinator: CoordinatorThread) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        OuterSyncClient(coordinator.target, "intruder").join()
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.RpcError) as err:
+        OuterSyncClient(coordinator.target, "site-a").join(run_id="other-run")
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_bad_pushes_get_specific_statuses(coordinator: CoordinatorThread) -> None:
+    n = coordinator.controller.num_params
+    a = OuterSyncClient(coordinator.target, "site-a")
+    stub = outer_sync_pb2_grpc.OuterSyncStub(a.channel)
+    with pytest.raises(grpc.RpcError) as err:  # not joined yet
+        stub.PushDelta(iter(push_messages(a, 0, torch.zeros(n))), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    a.join()
+    cases = {
+        "future round": (push_messages(a, 5, torch.zeros(n)), grpc.StatusCode.FAILED_PRECONDITION),
+        "codec": (push_messages(a, 0, torch.zeros(n), codec="fp32"), grpc.StatusCode.INVALID_ARGUMENT),
+        "tokens": (push_messages(a, 0, torch.zeros(n), tokens=0), grpc.StatusCode.INVALID_ARGUMENT),
+    }
+    corrupt = push_messages(a, 0, torch.randn(n))
+    corrupt[0].payload = corrupt[0].payload[:-7]
+    cases["truncated"] = (corrupt, grpc.StatusCode.INVALID_ARGUMENT)
+    for name, (msgs, code) in cases.items():
+        with pytest.raises(grpc.RpcError) as err:
+            stub.PushDelta(iter(msgs), timeout=10)
+        assert err.value.code() == code, name
+        assert err.value.details(), name
+    assert coordinator.controller.round == 0 and not coordinator.controller.mean.contributors
+    assert state_hash(coordinator.controller.theta) == coordinator.controller.hashes[0]
+
+
+def test_non_finite_pseudo_gradient_is_refused(coordinator: CoordinatorThread) -> None:
+    n = coordinator.controller.num_params
+    a = OuterSyncClient(coordinator.target, "site-a")
+    a.join()
+    msgs = push_messages(a, 0, torch.zeros(n), codec="q8|zstd:3")
+    raw = parse_pipeline("q8").encode(torch.zeros(n))
+    scales = bytearray(raw)
+    scales[0:4] = torch.tensor([float("inf")]).numpy().tobytes()
+    import zstandard
+
+    msgs[0].payload = zstandard.ZstdCompressor(level=3).compress(bytes(scales))
+    with pytest.raises(grpc.RpcError) as err:
+        outer_sync_pb2_grpc.OuterSyncStub(a.channel).PushDelta(iter(msgs), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "scale" in err.value.details()
+
+
+def test_pull_waits_for_commit_and_all_clients_get_identical_bytes(coordinator: CoordinatorThread) -> None:
+    n = coordinator.controller.num_params
+    a, b = OuterSyncClient(coordinator.target, "site-a"), OuterSyncClient(coordinator.target, "site-b")
+    a.join(), b.join()
+    results: dict[str, Any] = {}
+    waiter = threading.Thread(target=lambda: results.setdefault("b", b.pull(0, n)))
+    waiter.start()
+    codec = parse_pipeline("q8|zstd:3")
+    for client in (a, b):
+        client.push(0, codec.spec, encode_chunks(codec, torch.randn(n) * 1e-2, 1 << 20)[0], tokens=10)
+    waiter.join(10)
+    pulled_a = a.pull(0, n)
+    assert torch.equal(pulled_a.values, results["b"].values)
+    full = a.pull(0, n, full_state=True)
+    assert full.is_full_state and full.next_round == 1
+    assert state_hash(full.values) == pulled_a.state_hash == coordinator.controller.hashes[1]
+
+
+def test_health_and_reflection_are_served(coordinator: CoordinatorThread) -> None:
+    with grpc.insecure_channel(coordinator.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "geodiloco.v1.OuterSync", "geodiloco.v1.Admin"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        reply = next(
+            stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            )
+        )
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"geodiloco.v1.OuterSync", "geodiloco.v1.Admin", "grpc.health.v1.Health"} <= names

@@ -1,0 +1,83 @@
+"""A real run: a coordinator process and two site processes (2 torchrun ranks each)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import tiny_config
+
+from geodiloco.status import fetch_status, request_shutdown
+
+pytestmark = pytest.mark.integration
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "geodiloco", *args], stdout=open(log, "wb"), stderr=subprocess.STDOUT
+    )
+
+
+def wait_for(path: Path, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+    return path.read_text()
+
+
+def test_two_sites_stay_bit_identical_every_round(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=4)
+    (tmp_path / "run.json").write_text(cfg.to_json())
+    coordinator = spawn(
+        [
+            "coordinator",
+            "serve",
+            "--config",
+            str(tmp_path / "run.json"),
+            "--port",
+            "0",
+            "--port-file",
+            str(tmp_path / "port"),
+            "--run-dir",
+            str(tmp_path / "coord"),
+        ],
+        tmp_path / "coordinator.log",
+    )
+    sites = []
+    try:
+        target = f"127.0.0.1:{wait_for(tmp_path / 'port')}"
+        sites = [
+            spawn(
+                ["site", "run", "--name", name, "--coordinator", target, "--nproc", "2"],
+                tmp_path / f"{name}.log",
+            )
+            for name in cfg.sites
+        ]
+        for name, proc in zip(cfg.sites, sites, strict=True):
+            assert proc.wait(timeout=240) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        status = fetch_status(target)
+        assert status.finished and status.round == 4
+        assert [h.round for h in status.history] == [0, 1, 2, 3]
+        for record in status.history:
+            assert sorted(record.contributors) == ["site-a", "site-b"]
+            assert record.hash_reports == 2 and record.hashes_agree
+            assert record.eval_count == cfg.data.eval_sequences  # the sites' slices cover the eval set
+        assert len({h.state_hash for h in status.history}) == 4
+        losses = [h.eval_loss for h in status.history]
+        assert losses[-1] < losses[0]
+        for site in status.sites:
+            assert site.state == "left" and site.accepted == 4 and site.rejected == 0 and site.hash_ok
+            assert site.bytes_in > 0 and site.bytes_out > 0
+        logged = [json.loads(line) for line in (tmp_path / "coord" / "rounds.jsonl").read_text().splitlines()]
+        assert [r["state_hash"] for r in logged] == [h.state_hash for h in status.history]
+        request_shutdown(target)
+        assert coordinator.wait(timeout=30) == 0
+    finally:
+        for proc in (*sites, coordinator):
+            if proc.poll() is None:
+                proc.kill()

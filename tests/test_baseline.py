@@ -1,0 +1,39 @@
+"""The synchronous baseline counts the bytes it really all-reduces."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from geodiloco.coordinator.server import initial_parameters
+from geodiloco.site.launcher import worker_command, worker_env
+from helpers import tiny_config
+
+from geodiloco.baseline import cross_site_bytes
+
+
+def test_ring_over_sites_formula() -> None:
+    assert cross_site_bytes(1000, sites=1) == 0
+    assert cross_site_bytes(1000, sites=3) == 4000  # each of 3 leaders sends 2*(2/3)*1000
+
+
+@pytest.mark.integration
+def test_baseline_allreduces_every_gradient_every_step(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=2, sites=["a", "b"])
+    (tmp_path / "run.json").write_text(cfg.to_json())
+    out = tmp_path / "baseline.json"
+    cmd = worker_command(
+        "geodiloco.baseline",
+        4,
+        ["--config", str(tmp_path / "run.json"), "--ranks-per-site", "2", "--out", str(out)],
+    )
+    subprocess.run(cmd, check=True, env=worker_env(), capture_output=True, timeout=180)
+    result = json.loads(out.read_text())
+    steps = cfg.rounds * cfg.inner.steps_per_round
+    fp32_grads = initial_parameters(cfg).numel() * 4
+    assert result["allreduced_bytes_per_rank"] == steps * fp32_grads
+    assert result["wan_bytes"] == 2 * (2 - 1) * steps * fp32_grads
+    assert result["tokens"] == steps * 4 * cfg.data.batch_size * cfg.model.seq_len
+    assert len(result["curve"]) == cfg.rounds

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+SUBCOMMANDS = [
+    [],
+    ["coordinator"],
+    ["coordinator", "serve"],
+    ["site"],
+    ["site", "run"],
+    ["status"],
+    ["demo"],
+    ["baseline"],
+]
+
+
+def geodiloco(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "geodiloco", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize("args", SUBCOMMANDS, ids=lambda a: " ".join(a) or "geodiloco")
+def test_every_subcommand_has_help(args: list[str]) -> None:
+    result = geodiloco(*args, "--help")
+    assert result.returncode == 0
+    assert "usage: geodiloco" in result.stdout
+
+
+def test_bad_config_value_is_a_clear_message() -> None:
+    result = geodiloco("demo", "--set", "outer.optimizer=adam")
+    assert result.returncode == 2
+    assert "outer.optimizer: unknown value 'adam'; accepted: nesterov, fedavg" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_flag_value_names_the_flag() -> None:
+    result = geodiloco("site", "run", "--name", "x", "--nproc", "0")
+    assert result.returncode == 2
+    assert "--nproc" in result.stderr
+
+
+def test_status_without_a_coordinator_is_a_clear_message() -> None:
+    result = geodiloco("status", "--coordinator", "127.0.0.1:1")
+    assert result.returncode == 2
+    assert "cannot reach 127.0.0.1:1" in result.stderr

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from geodiloco.config import ConfigError, RunConfig, load_config
+
+
+def test_defaults_are_the_paper_values() -> None:
+    cfg = RunConfig()
+    assert (cfg.outer.optimizer, cfg.outer.lr, cfg.outer.momentum) == ("nesterov", 0.7, 0.9)
+    assert cfg.quorum == len(cfg.sites)
+
+
+def test_json_roundtrip_is_lossless() -> None:
+    cfg = load_config(None, ["outer.momentum=0.5", 'sites=["a", "b", "c"]', "model.d_model=32"])
+    assert RunConfig.from_json(cfg.to_json()) == cfg
+    assert cfg.sites == ["a", "b", "c"] and cfg.model.d_model == 32
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("outer.optimizer=adam", "outer.optimizer: unknown value 'adam'; accepted: nesterov, fedavg"),
+        ("outer.momentum=1.5", "outer.momentum"),
+        ("compression.uplink=q3", "compression.uplink: unknown tensor stage 'q3'"),
+        ("inner.steps_per_round=0", "inner.steps_per_round"),
+        ('rounds="many"', "rounds: expected an integer"),
+        ("model.d_model=30", "model.d_model (30) must be divisible by model.n_head"),
+        (
+            "outer.nesterov=true",
+            "outer.nesterov: unknown field; accepted: lr, momentum, optimizer, warmup_rounds",
+        ),
+        ("min_sites=7", "min_sites"),
+    ],
+)
+def test_bad_values_name_the_field(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+
+
+def test_toml_file_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'run_id = "exp1"\nsites = ["x", "y"]\n[outer]\noptimizer = "fedavg"\nlr = 1.0\nmomentum = 0.0\n'
+    )
+    cfg = load_config(path)
+    assert cfg.run_id == "exp1" and cfg.outer.optimizer == "fedavg"
+
+
+def test_unreadable_file_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"missing\.toml"):
+        load_config(tmp_path / "missing.toml")
