@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import zstandard
+
 from geodiloco.compression.errors import CodecError
 
 

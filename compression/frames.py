@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+
 from geodiloco.compression.errors import CodecError
 from geodiloco.compression.pipeline import Pipeline
 

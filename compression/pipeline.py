@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from geodiloco.compression.entropy import Zstd
 from geodiloco.compression.errors import CodecError
 from geodiloco.compression.quantize import BlockwiseInt8, Fp32

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from geodiloco.compression import EncodedChunk, ErrorFeedback, encode_chunks, parse_pipeline
+from geodiloco.config import RunConfig
 from geodiloco.coordinator.aggregator import WeightedMean
 from geodiloco.coordinator.errors import (
     FailedPrecondition,
@@ -25,8 +27,6 @@ from geodiloco.coordinator.errors import (
     PermissionDenied,
 )
 from geodiloco.coordinator.outer_optimizer import build_outer_optimizer
-
-from geodiloco.config import RunConfig
 from geodiloco.params import state_hash
 
 log = logging.getLogger("geodiloco.coordinator")
@@ -160,6 +160,9 @@ class RoundController:
         return record
 
     async def leave(self, name: str, run_id: str, reason: str) -> None:
+        self.check_run(run_id)
+        if self.site(name).state == "left":
+            return  # a retried Leave changes nothing
         record = self.member(name, run_id)
         record.state = "left"
         log.info("site %s left: %s", name, reason or "no reason given")
@@ -197,6 +200,7 @@ class RoundController:
             self.mean.add(name, delta, tokens)
             record = self.sites[name]
             record.last_round, record.accepted = round_, record.accepted + 1
+            record.tokens += tokens
             log.info("round %d: accepted %s (%d tokens)", round_, name, tokens)
         await self._maybe_close()
         return True
@@ -313,7 +317,6 @@ class RoundController:
         eval_loss_sum: float,
         eval_count: int,
         train_loss: float,
-        tokens: int,
     ) -> tuple[bool, str]:
         """A site's parameter hash and metrics after applying the update that closed ``round_``."""
         record = self.member(name, run_id)
@@ -332,11 +335,10 @@ class RoundController:
         record.hash_ok = ok
         record.last_report_round = round_
         record.train_loss = train_loss
-        record.tokens += tokens
         if eval_count:
             record.eval_loss = eval_loss_sum / eval_count
-        history = next((h for h in self.history if h.round == round_), None)
-        if history is not None and name not in history.hash_reports:
+        history = self.history[round_]  # committed rounds are contiguous from 0
+        if name not in history.hash_reports:
             history.hash_reports[name] = ok
             history.eval_loss_sum += eval_loss_sum
             history.eval_count += eval_count

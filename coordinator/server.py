@@ -10,15 +10,15 @@ from pathlib import Path
 
 import grpc
 import torch
-from geodiloco.coordinator.rounds import RoundController
-from geodiloco.coordinator.service import AdminServicer, OuterSyncServicer
-from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from geodiloco.config import RunConfig
+from geodiloco.coordinator.rounds import RoundController
+from geodiloco.coordinator.service import AdminServicer, OuterSyncServicer
 from geodiloco.params import flatten_parameters
+from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
 from geodiloco.workload.model import build_model
 
 log = logging.getLogger("geodiloco.coordinator")

@@ -15,13 +15,13 @@ from typing import Any
 
 import grpc
 import torch
+from google.protobuf.message import Message
+
+from geodiloco import __version__
 from geodiloco.compression import CodecError
 from geodiloco.coordinator.errors import CoordinatorError, InvalidArgument
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
-from google.protobuf.message import Message
-
-from geodiloco import __version__
 
 log = logging.getLogger("geodiloco.coordinator")
 
@@ -104,7 +104,6 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 request.eval_loss_sum,
                 request.eval_count,
                 _finite_or_zero(request.train_loss),
-                request.tokens,
             )
             return outer_sync_pb2.ReportResponse(hash_ok=ok, expected_hash=expected)
 

@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
-from geodiloco.compression import CodecError, EncodedChunk, decode_chunks_into, parse_pipeline
-from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
 
 from geodiloco import __version__
+from geodiloco.compression import CodecError, EncodedChunk, decode_chunks_into, parse_pipeline
+from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
 
 log = logging.getLogger("geodiloco.site")
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from geodiloco.compression import ErrorFeedback, encode_chunks, parse_pipeline
-from geodiloco.site.client import Heartbeater, JoinInfo, OuterSyncClient, PulledState
 from torch import nn
 
+from geodiloco.compression import ErrorFeedback, encode_chunks, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.params import flatten_parameters, load_flat_parameters, state_hash
+from geodiloco.site.client import Heartbeater, JoinInfo, OuterSyncClient, PulledState
 
 log = logging.getLogger("geodiloco.site")
 

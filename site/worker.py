@@ -13,10 +13,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from geodiloco.site.outer_sync import OuterSync
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from geodiloco.logs import setup_logging
+from geodiloco.site.outer_sync import OuterSync
 from geodiloco.workload import (
     ShardReader,
     build_model,

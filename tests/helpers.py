@@ -9,10 +9,10 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import torch
-from geodiloco.coordinator.rounds import RoundController
-from geodiloco.coordinator.server import RunningServer, initial_parameters, run_until_stopped, start_server
 
 from geodiloco.config import RunConfig
+from geodiloco.coordinator.rounds import RoundController
+from geodiloco.coordinator.server import RunningServer, initial_parameters, run_until_stopped, start_server
 
 T = TypeVar("T")
 

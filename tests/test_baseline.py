@@ -7,11 +7,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+from geodiloco.baseline import cross_site_bytes
 from geodiloco.coordinator.server import initial_parameters
 from geodiloco.site.launcher import worker_command, worker_env
 from helpers import tiny_config
-
-from geodiloco.baseline import cross_site_bytes
 
 
 def test_ring_over_sites_formula() -> None:

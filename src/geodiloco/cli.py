@@ -10,10 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import grpc
-
 from geodiloco import __version__
-from geodiloco.config import ConfigError, load_config
 from geodiloco.logs import setup_logging
 
 log = logging.getLogger("geodiloco")
@@ -98,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from geodiloco.config import load_config
     from geodiloco.coordinator.server import ServeOptions, serve
 
     cfg = load_config(args.config, args.overrides)
@@ -119,6 +117,8 @@ def _site_run(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    import grpc
+
     from geodiloco.status import fetch_status, format_status, status_dict
 
     try:
@@ -154,6 +154,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _baseline(args: argparse.Namespace) -> int:
+    from geodiloco.config import load_config
     from geodiloco.demo import run_baseline
 
     cfg = load_config(args.config, args.overrides)
@@ -176,6 +177,8 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from geodiloco.config import ConfigError  # imports torch: only once a command will run
+
     setup_logging(site="" if args.command == "coordinator" else args.command)
     handler = COMMANDS[(args.command, getattr(args, "action", None))]
     try:

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from geodiloco.compression import CodecError, ErrorFeedback, decode_chunks_into, encode_chunks, parse_pipeline
 
 

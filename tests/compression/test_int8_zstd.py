@@ -1,6 +1,7 @@
 import pytest
 import torch
 import zstandard
+
 from geodiloco.compression import CodecError, parse_pipeline
 from geodiloco.compression.quantize import BlockwiseInt8
 

@@ -1,9 +1,9 @@
 import pytest
 import torch
-from geodiloco.coordinator.aggregator import WeightedMean
-from geodiloco.coordinator.outer_optimizer import FedAvgOuter, NesterovOuter, build_outer_optimizer
 
 from geodiloco.config import OuterConfig
+from geodiloco.coordinator.aggregator import WeightedMean
+from geodiloco.coordinator.outer_optimizer import FedAvgOuter, NesterovOuter, build_outer_optimizer
 
 
 def test_nesterov_matches_hand_computation() -> None:

@@ -8,13 +8,13 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from geodiloco.compression import encode_chunks, parse_pipeline
+from geodiloco.params import state_hash
 from geodiloco.site.client import OuterSyncClient
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import CoordinatorThread, tiny_config
-
-from geodiloco.params import state_hash
 
 pytestmark = pytest.mark.integration
 

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import tiny_config
 
 from geodiloco.status import fetch_status, request_shutdown
+from helpers import tiny_config
 
 pytestmark = pytest.mark.integration
 

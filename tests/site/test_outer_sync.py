@@ -6,11 +6,11 @@ import threading
 
 import pytest
 import torch
-from geodiloco.site import OuterSync
-from helpers import CoordinatorThread, tiny_config
 
 from geodiloco.params import flatten_parameters, state_hash
+from geodiloco.site import OuterSync
 from geodiloco.workload import build_model
+from helpers import CoordinatorThread, tiny_config
 
 pytestmark = pytest.mark.integration
 
