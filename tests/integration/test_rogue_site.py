@@ -1,0 +1,84 @@
+"""A site that pushes a malformed pseudo-gradient is refused; the run goes on without it.
+
+Real processes: a coordinator process, a real site process (2 torchrun ranks), and a rogue
+client in the test process speaking raw gRPC.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from test_two_sites import spawn, wait_for
+
+from geodiloco.compression import encode_chunks, parse_pipeline
+from geodiloco.site.client import OuterSyncClient
+from geodiloco.status import fetch_status, request_shutdown
+from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
+from helpers import tiny_config
+
+pytestmark = pytest.mark.integration
+
+
+def test_wrong_shape_push_is_refused_and_the_round_completes_with_the_other_site(tmp_path) -> None:
+    cfg = tiny_config(sites=["site-a", "rogue"], min_sites=1, rounds=2, round_timeout_s=3.0, lease_s=4.0)
+    (tmp_path / "run.json").write_text(cfg.to_json())
+    coordinator = spawn(
+        [
+            "coordinator",
+            "serve",
+            "--config",
+            str(tmp_path / "run.json"),
+            "--port",
+            "0",
+            "--port-file",
+            str(tmp_path / "port"),
+        ],
+        tmp_path / "coordinator.log",
+    )
+    site = None
+    try:
+        target = f"127.0.0.1:{wait_for(tmp_path / 'port')}"
+        rogue = OuterSyncClient(target, "rogue")
+        info = rogue.join()
+        site = spawn(
+            ["site", "run", "--name", "site-a", "--coordinator", target, "--nproc", "2"],
+            tmp_path / "site-a.log",
+        )
+        codec = parse_pipeline(cfg.compression.uplink)
+        chunks, _ = encode_chunks(codec, torch.randn(info.num_params + 10), 1 << 20)
+        messages = [
+            outer_sync_pb2.DeltaChunk(
+                header=outer_sync_pb2.ChunkHeader(
+                    run_id=info.run_id,
+                    round=0,
+                    site="rogue",
+                    codec=codec.spec,
+                    seq=i,
+                    start=c.start,
+                    numel=c.numel,
+                ),
+                payload=c.payload,
+                tokens=1000,
+                total_chunks=len(chunks),
+            )
+            for i, c in enumerate(chunks)
+        ]
+        with pytest.raises(grpc.RpcError) as err:
+            outer_sync_pb2_grpc.OuterSyncStub(rogue.channel).PushDelta(iter(messages), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "outside the model's" in err.value.details()
+
+        assert site.wait(timeout=240) == 0, (tmp_path / "site-a.log").read_text()[-3000:]
+        status = fetch_status(target)
+        assert status.finished and [list(h.contributors) for h in status.history] == [["site-a"], ["site-a"]]
+        assert all(h.hashes_agree and h.hash_reports == 1 for h in status.history)
+        by_name = {s.site: s for s in status.sites}
+        assert by_name["rogue"].rejected == 1 and by_name["rogue"].accepted == 0
+        assert by_name["site-a"].accepted == 2 and by_name["site-a"].rejected == 0
+        request_shutdown(target)
+        assert coordinator.wait(timeout=30) == 0
+    finally:
+        for proc in (site, coordinator):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
