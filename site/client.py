@@ -84,6 +84,30 @@ class PulledState:
     finished: bool
 
 
+def delta_messages(
+    run_id: str, site: str, round_: int, codec: str, chunks: list[EncodedChunk], tokens: int
+) -> list[Any]:
+    """The PushDelta stream for one round's encoded pseudo-gradient."""
+    return [
+        outer_sync_pb2.DeltaChunk(
+            header=outer_sync_pb2.ChunkHeader(
+                run_id=run_id,
+                round=round_,
+                fragment=0,
+                site=site,
+                codec=codec,
+                seq=seq,
+                start=chunk.start,
+                numel=chunk.numel,
+            ),
+            payload=chunk.payload,
+            tokens=tokens,
+            total_chunks=len(chunks),
+        )
+        for seq, chunk in enumerate(chunks)
+    ]
+
+
 class OuterSyncClient:
     """One site's connection to the coordinator; counts the bytes it sends and receives."""
 
@@ -197,22 +221,7 @@ class OuterSyncClient:
         """Stream one round's pseudo-gradient; retried as a whole (pushes are idempotent)."""
 
         def messages() -> Iterator[Any]:
-            for seq, chunk in enumerate(chunks):
-                msg = outer_sync_pb2.DeltaChunk(
-                    header=outer_sync_pb2.ChunkHeader(
-                        run_id=self.run_id,
-                        round=round_,
-                        fragment=0,
-                        site=self.site,
-                        codec=codec,
-                        seq=seq,
-                        start=chunk.start,
-                        numel=chunk.numel,
-                    ),
-                    payload=chunk.payload,
-                    tokens=tokens,
-                    total_chunks=len(chunks),
-                )
+            for msg in delta_messages(self.run_id, self.site, round_, codec, chunks, tokens):
                 self._count(sent=msg)
                 yield msg
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Coroutine
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -90,3 +94,38 @@ class CoordinatorThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def spawn_geodiloco(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """`geodiloco ARGS` as a real process, output to ``log``."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "geodiloco", *args], stdout=out, stderr=subprocess.STDOUT
+        )
+
+
+def start_coordinator_process(cfg: RunConfig, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`geodiloco coordinator serve` on a free loopback port; returns the process and its target."""
+    (workdir / "run.json").write_text(cfg.to_json())
+    port_file = workdir / "port"
+    proc = spawn_geodiloco(
+        [
+            "coordinator",
+            "serve",
+            "--config",
+            str(workdir / "run.json"),
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--run-dir",
+            str(workdir / "coord"),
+        ],
+        workdir / "coordinator.log",
+    )
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError((workdir / "coordinator.log").read_text()[-3000:])
+        time.sleep(0.1)
+    return proc, f"127.0.0.1:{port_file.read_text()}"

@@ -12,8 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from geodiloco.compression import encode_chunks, parse_pipeline
 from geodiloco.params import state_hash
-from geodiloco.site.client import OuterSyncClient
-from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
+from geodiloco.site.client import OuterSyncClient, delta_messages
+from geodiloco.v1 import outer_sync_pb2_grpc
 from helpers import CoordinatorThread, tiny_config
 
 pytestmark = pytest.mark.integration
@@ -28,23 +28,7 @@ def push_messages(
     chunk_elements: int = 1 << 20,
 ) -> list[Any]:
     chunks, _ = encode_chunks(parse_pipeline(codec), delta, chunk_elements)
-    return [
-        outer_sync_pb2.DeltaChunk(
-            header=outer_sync_pb2.ChunkHeader(
-                run_id=client.run_id,
-                round=round_,
-                site=client.site,
-                codec=codec,
-                seq=i,
-                start=c.start,
-                numel=c.numel,
-            ),
-            payload=c.payload,
-            tokens=tokens,
-            total_chunks=len(chunks),
-        )
-        for i, c in enumerate(chunks)
-    ]
+    return delta_messages(client.run_id, client.site, round_, codec, chunks, tokens)
 
 
 @pytest.fixture

@@ -9,61 +9,30 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from test_two_sites import spawn, wait_for
 
 from geodiloco.compression import encode_chunks, parse_pipeline
-from geodiloco.site.client import OuterSyncClient
+from geodiloco.site.client import OuterSyncClient, delta_messages
 from geodiloco.status import fetch_status, request_shutdown
-from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
-from helpers import tiny_config
+from geodiloco.v1 import outer_sync_pb2_grpc
+from helpers import spawn_geodiloco, start_coordinator_process, tiny_config
 
 pytestmark = pytest.mark.integration
 
 
 def test_wrong_shape_push_is_refused_and_the_round_completes_with_the_other_site(tmp_path) -> None:
     cfg = tiny_config(sites=["site-a", "rogue"], min_sites=1, rounds=2, round_timeout_s=3.0, lease_s=4.0)
-    (tmp_path / "run.json").write_text(cfg.to_json())
-    coordinator = spawn(
-        [
-            "coordinator",
-            "serve",
-            "--config",
-            str(tmp_path / "run.json"),
-            "--port",
-            "0",
-            "--port-file",
-            str(tmp_path / "port"),
-        ],
-        tmp_path / "coordinator.log",
-    )
+    coordinator, target = start_coordinator_process(cfg, tmp_path)
     site = None
     try:
-        target = f"127.0.0.1:{wait_for(tmp_path / 'port')}"
         rogue = OuterSyncClient(target, "rogue")
         info = rogue.join()
-        site = spawn(
+        site = spawn_geodiloco(
             ["site", "run", "--name", "site-a", "--coordinator", target, "--nproc", "2"],
             tmp_path / "site-a.log",
         )
         codec = parse_pipeline(cfg.compression.uplink)
         chunks, _ = encode_chunks(codec, torch.randn(info.num_params + 10), 1 << 20)
-        messages = [
-            outer_sync_pb2.DeltaChunk(
-                header=outer_sync_pb2.ChunkHeader(
-                    run_id=info.run_id,
-                    round=0,
-                    site="rogue",
-                    codec=codec.spec,
-                    seq=i,
-                    start=c.start,
-                    numel=c.numel,
-                ),
-                payload=c.payload,
-                tokens=1000,
-                total_chunks=len(chunks),
-            )
-            for i, c in enumerate(chunks)
-        ]
+        messages = delta_messages(info.run_id, "rogue", 0, codec.spec, chunks, tokens=1000)
         with pytest.raises(grpc.RpcError) as err:
             outer_sync_pb2_grpc.OuterSyncStub(rogue.channel).PushDelta(iter(messages), timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

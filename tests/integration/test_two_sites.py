@@ -3,56 +3,23 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from geodiloco.status import fetch_status, request_shutdown
-from helpers import tiny_config
+from helpers import spawn_geodiloco, start_coordinator_process, tiny_config
 
 pytestmark = pytest.mark.integration
 
 
-def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "geodiloco", *args], stdout=open(log, "wb"), stderr=subprocess.STDOUT
-    )
-
-
-def wait_for(path: Path, timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.1)
-    return path.read_text()
-
-
 def test_two_sites_stay_bit_identical_every_round(tmp_path: Path) -> None:
     cfg = tiny_config(rounds=4)
-    (tmp_path / "run.json").write_text(cfg.to_json())
-    coordinator = spawn(
-        [
-            "coordinator",
-            "serve",
-            "--config",
-            str(tmp_path / "run.json"),
-            "--port",
-            "0",
-            "--port-file",
-            str(tmp_path / "port"),
-            "--run-dir",
-            str(tmp_path / "coord"),
-        ],
-        tmp_path / "coordinator.log",
-    )
+    coordinator, target = start_coordinator_process(cfg, tmp_path)
     sites = []
     try:
-        target = f"127.0.0.1:{wait_for(tmp_path / 'port')}"
         sites = [
-            spawn(
+            spawn_geodiloco(
                 ["site", "run", "--name", name, "--coordinator", target, "--nproc", "2"],
                 tmp_path / f"{name}.log",
             )
