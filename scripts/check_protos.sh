@@ -2,9 +2,12 @@
 # Fails when the committed stubs differ from what the .proto files generate.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python}"
+# the protoc plugins (protoc-gen-mypy, ...) live next to the interpreter that has grpc_tools
+PATH="$(dirname "$(command -v "$PYTHON")"):$PATH"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-"${PYTHON:-python}" -m grpc_tools.protoc -Iprotos \
+"$PYTHON" -m grpc_tools.protoc -Iprotos \
   --python_out="$tmp" --grpc_python_out="$tmp" --mypy_out="$tmp" --mypy_grpc_out="$tmp" \
   protos/geodiloco/v1/*.proto
 status=0
