@@ -35,6 +35,8 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.max_concurrent_streams", 256),
+    # Without this, a second coordinator started on the same port would silently share it.
+    ("grpc.so_reuseport", 0),
 ]
 SERVICE_NAMES = (
     outer_sync_pb2.DESCRIPTOR.services_by_name["OuterSync"].full_name,
@@ -56,6 +58,10 @@ class ServeOptions:
 def initial_parameters(cfg: RunConfig) -> torch.Tensor:
     """θ_0 from the run's seed: the same values every site builds on its own."""
     return flatten_parameters(build_model(cfg.model, cfg.seed))
+
+
+class BindError(OSError):
+    """The coordinator could not listen on its address."""
 
 
 @dataclass(slots=True)
@@ -92,7 +98,12 @@ async def start_server(
         (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    running.port = server.add_insecure_port(f"{host}:{port}")
+    try:
+        running.port = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        running.port = 0
+    if not running.port:
+        raise BindError(f"cannot listen on {host}:{port} (address in use or not available)")
     await server.start()
     for name in ("", *SERVICE_NAMES):
         await running.health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -257,7 +257,7 @@ def status_message(c: RoundController) -> Any:
         admin_pb2.SiteStatus(
             site=s.name,
             state=s.state,
-            last_round=max(s.last_round, 0),
+            last_round=s.last_round,
             lease_remaining_s=max(0.0, c.cfg.lease_s - (now - s.last_seen)) if s.state == "joined" else 0.0,
             eval_loss=s.eval_loss,
             train_loss=s.train_loss,
@@ -267,7 +267,7 @@ def status_message(c: RoundController) -> Any:
             accepted=s.accepted,
             rejected=s.rejected,
             hash_ok=s.hash_ok,
-            last_report_round=max(s.last_report_round, 0),
+            last_report_round=s.last_report_round,
         )
         for s in c.sites.values()
     ]

@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from helpers import start_coordinator_process, tiny_config
 
 SUBCOMMANDS = [
     [],
@@ -47,3 +51,23 @@ def test_status_without_a_coordinator_is_a_clear_message() -> None:
     result = geodiloco("status", "--coordinator", "127.0.0.1:1")
     assert result.returncode == 2
     assert "cannot reach 127.0.0.1:1" in result.stderr
+
+
+@pytest.mark.integration
+def test_second_coordinator_on_a_busy_port_is_refused(tmp_path: Path) -> None:
+    first, target = start_coordinator_process(tiny_config(), tmp_path)
+    try:
+        port = target.rsplit(":", 1)[1]
+        second = geodiloco("coordinator", "serve", "--port", port)
+        assert second.returncode == 2
+        assert f"cannot listen on 127.0.0.1:{port}" in second.stderr
+        status = geodiloco("status", "--coordinator", target, "--json")
+        assert status.returncode == 0
+        data = json.loads(status.stdout)
+        assert data["run_id"] == "test-run" and data["rounds_total"] == 3 and data["round"] == 0
+        assert [s["last_round"] for s in data["sites"]] == [-1, -1]
+        assert data["sites"][0]["eval_loss"] is None  # NaN before any report
+        table = geodiloco("status", "--coordinator", target)
+        assert "site-a" in table.stdout and "waiting_for_sites" in table.stdout
+    finally:
+        first.kill()

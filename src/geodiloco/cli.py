@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from geodiloco.config import load_config
-    from geodiloco.coordinator.server import ServeOptions, serve
+    from geodiloco.coordinator.server import BindError, ServeOptions, serve
 
     cfg = load_config(args.config, args.overrides)
     opts = ServeOptions(
@@ -106,7 +106,11 @@ def _serve(args: argparse.Namespace) -> int:
         port_file=args.port_file,
         exit_when_finished=args.exit_when_finished,
     )
-    asyncio.run(serve(cfg, opts))
+    try:
+        asyncio.run(serve(cfg, opts))
+    except BindError as exc:
+        print(f"geodiloco coordinator serve: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

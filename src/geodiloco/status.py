@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 import grpc
-from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc
 
@@ -23,8 +23,19 @@ def request_shutdown(target: str, grace_s: float = 2.0, timeout_s: float = 10.0)
         )
 
 
-def status_dict(status: Any) -> dict[str, Any]:
-    return MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+def status_dict(message: Message) -> dict[str, Any]:
+    """Plain JSON types (protobuf's JSON mapping would print 64-bit integers as strings)."""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None:
+            value = [status_dict(v) for v in value] if field.is_repeated else status_dict(value)
+        elif field.is_repeated:
+            value = list(value)
+        elif isinstance(value, float) and not math.isfinite(value):
+            value = None
+        out[field.name] = value
+    return out
 
 
 def human_bytes(n: float) -> str:
@@ -52,8 +63,9 @@ def format_status(status: Any) -> str:
     ]
     for s in status.sites:
         lease = f"{s.lease_remaining_s:.1f}s" if s.state == "joined" else "-"
+        last_round = str(s.last_round) if s.last_round >= 0 else "-"
         lines.append(
-            f"{s.site:<14}{s.state:<9}{s.last_round:>6}{lease:>8}{_loss(s.eval_loss):>9}"
+            f"{s.site:<14}{s.state:<9}{last_round:>6}{lease:>8}{_loss(s.eval_loss):>9}"
             f"{_loss(s.train_loss):>9}{human_bytes(s.bytes_in):>11}{human_bytes(s.bytes_out):>11}"
             f"{s.accepted:>5}{s.rejected:>5}{'ok' if s.hash_ok else 'BAD':>6}"
         )

@@ -54,7 +54,7 @@ class SiteStatus(_message.Message):
     state: _builtins.str
     """joined, training, left, lost"""
     last_round: _builtins.int
-    """last round the site contributed to"""
+    """last round the site contributed to; -1 before its first"""
     lease_remaining_s: _builtins.float
     eval_loss: _builtins.float
     """on the site's eval slice, last report"""
@@ -71,6 +71,7 @@ class SiteStatus(_message.Message):
     hash_ok: _builtins.bool
     """last reported parameter hash matched the coordinator's"""
     last_report_round: _builtins.int
+    """-1 before its first report"""
     def __init__(
         self,
         *,
