@@ -151,16 +151,11 @@ class OuterSyncClient:
     # -- RPCs -------------------------------------------------------------------------------
 
     def join(self, state_hash: str = "", world_size: int = 1, run_id: str = "") -> JoinInfo:
-        r = self._unary(
-            self.stub.Join,
-            outer_sync_pb2.JoinRequest(
-                run_id=run_id,
-                site=self.site,
-                state_hash=state_hash,
-                world_size=world_size,
-                version=__version__,
-            ),
+        """Join the run; a coordinator that is not up yet is waited for with backoff."""
+        request = outer_sync_pb2.JoinRequest(
+            run_id=run_id, site=self.site, state_hash=state_hash, world_size=world_size, version=__version__
         )
+        r = self._with_backoff("join", lambda: self._unary(self.stub.Join, request))
         self.run_id = r.run_id
         return JoinInfo(
             r.run_id,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import threading
@@ -47,8 +48,9 @@ def tiny_config(**overrides: Any) -> RunConfig:
 class CoordinatorThread:
     """A real grpc.aio coordinator server running in a background thread's event loop."""
 
-    def __init__(self, cfg: RunConfig, initial: torch.Tensor | None = None) -> None:
+    def __init__(self, cfg: RunConfig, initial: torch.Tensor | None = None, port: int = 0) -> None:
         self.cfg = cfg
+        self.port = port
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._initial = initial if initial is not None else initial_parameters(cfg)
@@ -63,7 +65,7 @@ class CoordinatorThread:
 
         async def run() -> None:
             controller = RoundController(self.cfg, self._initial)
-            self.running = await start_server(controller, "127.0.0.1", 0, grace_s=0.5)
+            self.running = await start_server(controller, "127.0.0.1", self.port, grace_s=0.5)
             self._ready.set()
             await run_until_stopped(self.running)
 
@@ -129,3 +131,9 @@ def start_coordinator_process(cfg: RunConfig, workdir: Path) -> tuple[subprocess
             raise RuntimeError((workdir / "coordinator.log").read_text()[-3000:])
         time.sleep(0.1)
     return proc, f"127.0.0.1:{port_file.read_text()}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
 from geodiloco.params import flatten_parameters, state_hash
-from geodiloco.site import OuterSync
+from geodiloco.site import OuterSync, OuterSyncClient
 from geodiloco.workload import build_model
-from helpers import CoordinatorThread, tiny_config
+from helpers import CoordinatorThread, free_port, tiny_config
 
 pytestmark = pytest.mark.integration
 
@@ -62,3 +63,19 @@ def test_late_site_catches_up_from_full_state() -> None:
         assert late.finished and late.round == 3
         assert state_hash(flatten_parameters(model)) == coordinator.controller.hashes[3]
         late.close()
+
+
+def test_site_started_before_the_coordinator_waits_for_it() -> None:
+    port = free_port()
+    joined: dict[str, int] = {}
+
+    def join() -> None:
+        joined["round"] = OuterSyncClient(f"127.0.0.1:{port}", "site-a").join().round
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    time.sleep(1.5)
+    assert not joined
+    with CoordinatorThread(tiny_config(), port=port):
+        thread.join(30)
+    assert joined == {"round": 0}
