@@ -29,7 +29,8 @@ def test_baseline_allreduces_every_gradient_every_step(tmp_path: Path) -> None:
         4,
         ["--config", str(tmp_path / "run.json"), "--ranks-per-site", "2", "--out", str(out)],
     )
-    subprocess.run(cmd, check=True, env=worker_env(), capture_output=True, timeout=180)
+    run = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(out.read_text())
     steps = cfg.rounds * cfg.inner.steps_per_round
     fp32_grads = initial_parameters(cfg).numel() * 4
