@@ -19,6 +19,12 @@ class FailedPrecondition(CoordinatorError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class ContributionMissing(CoordinatorError):
+    """A site waits for a round it has no contribution in (lost in a restart): push again."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class PermissionDenied(CoordinatorError):
     """A site that is not part of the run."""
 

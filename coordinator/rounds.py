@@ -10,18 +10,23 @@ stays bit-identical.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from geodiloco.compression import EncodedChunk, ErrorFeedback, encode_chunks, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.aggregator import WeightedMean
+from geodiloco.coordinator.durable import STATE_FILE, load_state, save_state
 from geodiloco.coordinator.errors import (
+    ContributionMissing,
     FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
@@ -32,6 +37,7 @@ from geodiloco.params import state_hash
 log = logging.getLogger("geodiloco.coordinator")
 
 FULL_STATE_CODEC = "fp32|zstd:1"
+ROUND_LOG = "rounds.jsonl"
 KEEP_UPDATES = 4  # committed updates kept for sites that fall a round or two behind
 
 
@@ -123,6 +129,10 @@ class RoundController:
         self.run_dir = run_dir
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
+            state = load_state(run_dir / STATE_FILE)
+            if state is not None:
+                self.restore(state)
+                self._sync_round_log()
 
     # -- membership -------------------------------------------------------------------------
 
@@ -224,6 +234,7 @@ class RoundController:
                 await self._commit()
 
     async def _commit(self) -> None:
+        """Close the round: compute, make it durable, and only then publish it."""
         r, mean = self.round, self.mean
         started = time.monotonic()
         chunks, decoded = await asyncio.to_thread(self._compute_update, mean.mean())
@@ -245,7 +256,7 @@ class RoundController:
         self.mean = WeightedMean(self.num_params)
         self.round_opened = time.monotonic()
         self._full_state = None
-        self._append_log(record)
+        await self._persist()
         log.info(
             "round %d committed: %s, %d tokens, update %d bytes, hash %s",
             r,
@@ -264,19 +275,73 @@ class RoundController:
         self.downlink_feedback.record(to_send, decoded)
         return chunks, decoded
 
-    def _append_log(self, record: RoundRecord) -> None:
+    async def _persist(self) -> None:
+        """Commit the state atomically, then the round log. Crash-only: if the state cannot be
+        written, the process exits and a restart resumes from the last committed round."""
         if self.run_dir is None:
             return
-        line = {
-            "round": record.round,
-            "contributors": record.contributors,
-            "tokens": record.tokens,
-            "state_hash": record.state_hash,
-            "update_bytes": record.update_bytes,
-            "duration_s": round(record.duration_s, 3),
+        snapshot = self.snapshot()
+        try:
+            await asyncio.to_thread(save_state, self.run_dir / STATE_FILE, snapshot)
+        except OSError:
+            log.critical("cannot commit round %d to %s; exiting", self.round - 1, self.run_dir, exc_info=True)
+            os._exit(70)
+        self._sync_round_log()
+
+    def _sync_round_log(self) -> None:
+        """Append the committed rounds the log does not have yet (one line each, in order)."""
+        assert self.run_dir is not None
+        path = self.run_dir / ROUND_LOG
+        logged = len(path.read_text().splitlines()) if path.exists() else 0
+        with open(path, "a") as f:
+            for record in self.history[logged:]:
+                line = {
+                    "round": record.round,
+                    "contributors": record.contributors,
+                    "tokens": record.tokens,
+                    "state_hash": record.state_hash,
+                    "update_bytes": record.update_bytes,
+                    "duration_s": round(record.duration_s, 3),
+                }
+                f.write(json.dumps(line) + "\n")
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything a restarted coordinator needs to resume after the last committed round."""
+        return {
+            "version": 1,
+            "run_id": self.cfg.run_id,
+            "round": self.round,
+            "theta": self.theta.clone(),
+            "optimizer": self.optimizer.state_dict(),
+            "downlink_residual": self.downlink_feedback.residual.clone(),
+            "hashes": dict(self.hashes),
+            "sites": {name: _site_state(s) for name, s in self.sites.items()},
+            "history": [dataclasses.asdict(h) for h in self.history],
         }
-        with open(self.run_dir / "rounds.jsonl", "a") as f:
-            f.write(json.dumps(line) + "\n")
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if state["run_id"] != self.cfg.run_id:
+            raise ValueError(
+                f"the state in {self.run_dir} belongs to run {state['run_id']!r}, not {self.cfg.run_id!r}"
+            )
+        theta = state["theta"]
+        if theta.numel() != self.num_params:
+            raise ValueError(f"the saved state has {theta.numel()} parameters, the model {self.num_params}")
+        self.theta = theta.clone()
+        self.round = int(state["round"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.downlink_feedback.residual.copy_(state["downlink_residual"])
+        self.hashes = {int(k): v for k, v in state["hashes"].items()}
+        self.history = [RoundRecord(**h) for h in state["history"]]
+        now = time.monotonic()
+        for name, saved in state["sites"].items():
+            if name in self.sites:
+                for key, value in saved.items():
+                    setattr(self.sites[name], key, value)
+                self.sites[name].last_seen = now  # a fresh lease after the restart
+        log.info(
+            "resumed run %s at round %d (hash %s)", self.cfg.run_id, self.round, self.hashes[self.round][:12]
+        )
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -293,10 +358,16 @@ class RoundController:
 
     # -- updates and state for the sites ----------------------------------------------------
 
-    async def wait_for_update(self, round_: int) -> CommittedUpdate | None:
-        """The committed update closing ``round_``; None when it is no longer kept."""
+    async def wait_for_update(self, round_: int, name: str) -> CommittedUpdate | None:
+        """The committed update closing ``round_``; None when it is no longer kept.
+
+        Waiting for an open round the site has no contribution in would never end if the
+        contribution was lost (a coordinator restart drops uncommitted ones): say so instead.
+        """
         if round_ >= self.cfg.rounds:
             raise FailedPrecondition(f"round {round_} is past the run's last round {self.cfg.rounds - 1}")
+        if round_ == self.round and name not in self.mean.contributors:
+            raise ContributionMissing(f"site {name!r} has no contribution in open round {round_}; push it")
         async with self._changed:
             await self._changed.wait_for(lambda: self.round > round_)
         return self.updates.get(round_)
@@ -364,3 +435,22 @@ class RoundController:
 
     def all_sites_done(self) -> bool:
         return self.finished and all(s.state != "joined" for s in self.sites.values())
+
+
+_SITE_FIELDS_SAVED = (
+    "state",
+    "last_round",
+    "accepted",
+    "rejected",
+    "bytes_in",
+    "bytes_out",
+    "eval_loss",
+    "train_loss",
+    "tokens",
+    "hash_ok",
+    "last_report_round",
+)
+
+
+def _site_state(record: SiteRecord) -> dict[str, Any]:
+    return {key: getattr(record, key) for key in _SITE_FIELDS_SAVED}

@@ -200,7 +200,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         try:
             self.c.member(request.site, request.run_id)
             if kind == outer_sync_pb2.PullRequest.UPDATE:
-                update = await self.c.wait_for_update(request.round)
+                update = await self.c.wait_for_update(request.round, request.site)
                 if update is not None:
                     chunks, codec, digest = update.chunks, update.codec, update.state_hash
                     next_round, round_ = update.round + 1, update.round

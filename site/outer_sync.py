@@ -18,16 +18,19 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import grpc
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from geodiloco.compression import ErrorFeedback, encode_chunks, parse_pipeline
+from geodiloco.compression import EncodedChunk, ErrorFeedback, encode_chunks, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.params import flatten_parameters, load_flat_parameters, state_hash
 from geodiloco.site.client import Heartbeater, JoinInfo, OuterSyncClient, PulledState
 
 log = logging.getLogger("geodiloco.site")
+
+MAX_EXCHANGES = 5
 
 
 def _rank() -> int:
@@ -53,9 +56,10 @@ class RoundResult:
 class OuterSync:
     """Snapshots θ_r, computes Δ every H steps, pushes it, and applies the outer update."""
 
-    def __init__(self, client: OuterSyncClient | None, info: JoinInfo) -> None:
+    def __init__(self, client: OuterSyncClient | None, info: JoinInfo, world_size: int = 1) -> None:
         self.client = client  # only on rank 0
         self.info = info
+        self.world_size = world_size
         self.config = RunConfig.from_json(info.run_config_json)
         self.round = info.round
         self.finished = info.finished
@@ -85,7 +89,7 @@ class OuterSync:
             )
         info = _broadcast_object(joined)
         assert isinstance(info, JoinInfo)
-        sync = cls(client, info)
+        sync = cls(client, info, world_size)
         if client is not None:
             sync._heartbeat = Heartbeater(client, info.heartbeat_interval_s)
             sync._heartbeat.start()
@@ -133,18 +137,13 @@ class OuterSync:
             dist.all_reduce(tokens)
         delta = self.snapshot - flatten_parameters(self.model)
         closed = self.round
+        exchanged = None
         if self.client is not None:
             to_send = self.feedback.compensate(delta)
             chunks, decoded = encode_chunks(self.uplink, to_send, self.config.compression.chunk_elements)
             self.feedback.record(to_send, decoded)
-            self.client.push(
-                closed,
-                self.uplink.spec,
-                chunks,
-                int(tokens.item()),
-                timeout_s=self.config.round_timeout_s + 60,
-            )
-        pulled = self._pull(full_state=False)
+            exchanged = self._exchange(closed, chunks, int(tokens.item()))
+        pulled = self._share(exchanged)
         new = pulled.values if pulled.is_full_state else self.snapshot + pulled.values
         load_flat_parameters(self.model, new)
         self.snapshot = new
@@ -160,17 +159,47 @@ class OuterSync:
             self._heartbeat.round = self.round
         return self.last_result
 
+    def _exchange(self, round_: int, chunks: list[EncodedChunk], tokens: int) -> PulledState:
+        """Rank 0: push (idempotent) and pull the round's update.
+
+        Recovers from a restarted coordinator that lost the uncommitted contribution (ABORTED:
+        push again) and from a lapsed membership or a round that closed without this site
+        (FAILED_PRECONDITION: rejoin and continue from the coordinator's current state).
+        """
+        assert self.client is not None
+        for _ in range(MAX_EXCHANGES):
+            try:
+                self.client.push(round_, self.uplink.spec, chunks, tokens, timeout_s=self.pull_timeout_s)
+                return self.client.pull(round_, self.info.num_params, timeout_s=self.pull_timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.ABORTED:
+                    log.warning("round %d: the coordinator lost this contribution; pushing again", round_)
+                    continue
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                log.warning("round %d refused (%s); rejoining and resyncing", round_, exc.details())
+                self.client.join(world_size=self.world_size)
+                return self.client.pull(round_, self.info.num_params, full_state=True)
+        raise RuntimeError(f"round {round_}: contribution lost {MAX_EXCHANGES} times in a row")
+
+    @property
+    def pull_timeout_s(self) -> float:
+        return self.config.round_timeout_s + 300
+
     def _pull(self, full_state: bool) -> PulledState:
         """Rank 0 pulls; every rank receives the decoded values by broadcast."""
-        meta: PulledState | None = None
-        values = torch.empty(self.info.num_params, dtype=torch.float32)
+        pulled = None
         if self.client is not None:
             pulled = self.client.pull(
-                self.round,
-                self.info.num_params,
-                full_state=full_state,
-                timeout_s=self.config.round_timeout_s + 300,
+                self.round, self.info.num_params, full_state=full_state, timeout_s=self.pull_timeout_s
             )
+        return self._share(pulled)
+
+    def _share(self, pulled: PulledState | None) -> PulledState:
+        """What rank 0 pulled, on every rank of the site (metadata and values by broadcast)."""
+        meta: PulledState | None = None
+        values = torch.empty(self.info.num_params, dtype=torch.float32)
+        if pulled is not None:
             values = pulled.values
             meta = PulledState(
                 pulled.is_full_state, torch.empty(0), pulled.next_round, pulled.state_hash, pulled.finished

@@ -6,7 +6,6 @@ Reads top to bottom: join, build, attach, then H inner steps and one outer sync 
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import time
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from geodiloco.distributed import init_distributed, shutdown_distributed
 from geodiloco.logs import setup_logging
 from geodiloco.site.outer_sync import OuterSync
 from geodiloco.workload import (
@@ -31,15 +31,8 @@ from geodiloco.workload import (
 log = logging.getLogger("geodiloco.site")
 
 
-def init_distributed(timeout_s: float) -> tuple[int, int]:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return dist.get_rank(), dist.get_world_size()
-
-
 def train(coordinator: str, site: str) -> None:
-    rank, world = init_distributed(timeout_s=3600)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    rank, world = init_distributed()
     sync = OuterSync.connect(coordinator, site, world_size=world)
     cfg = sync.config
     model = sync.attach(build_model(cfg.model, cfg.seed))
@@ -83,7 +76,8 @@ def train(coordinator: str, site: str) -> None:
         losses.clear()
         started = time.perf_counter()
     sync.close("finished")
-    dist.destroy_process_group()
+    del ddp
+    shutdown_distributed()
 
 
 def main(argv: list[str] | None = None) -> None:

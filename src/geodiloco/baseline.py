@@ -7,7 +7,6 @@ rank ``g % ranks_per_site`` of site ``g // ranks_per_site``.
 """
 
 import argparse
-import datetime
 import json
 import os
 import time
@@ -20,6 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from geodiloco.config import RunConfig
+from geodiloco.distributed import init_distributed, shutdown_distributed
 from geodiloco.logs import setup_logging
 from geodiloco.workload import (
     ShardReader,
@@ -59,11 +59,7 @@ def cross_site_bytes(allreduced_bytes: int, sites: int) -> int:
 
 
 def run(cfg: RunConfig, ranks_per_site: int, out: Path | None) -> None:
-    dist.init_process_group(
-        "nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(seconds=3600)
-    )
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    rank, world = init_distributed()
     sites = world // ranks_per_site
     if sites * ranks_per_site != world:
         raise SystemExit(f"world size {world} is not a multiple of ranks_per_site {ranks_per_site}")
@@ -117,7 +113,8 @@ def run(cfg: RunConfig, ranks_per_site: int, out: Path | None) -> None:
             "wall_seconds": time.perf_counter() - started,
         }
         out.write_text(json.dumps(result, indent=2))
-    dist.destroy_process_group()
+    del ddp
+    shutdown_distributed()
 
 
 def main(argv: list[str] | None = None) -> None:

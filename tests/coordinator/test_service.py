@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import grpc
@@ -132,12 +133,17 @@ def test_pull_waits_for_commit_and_all_clients_get_identical_bytes(coordinator: 
     n = coordinator.controller.num_params
     a, b = OuterSyncClient(coordinator.target, "site-a"), OuterSyncClient(coordinator.target, "site-b")
     a.join(), b.join()
+    codec = parse_pipeline("q8|zstd:3")
+    with pytest.raises(grpc.RpcError) as err:  # waiting without a contribution could never end
+        b.pull(0, n)
+    assert err.value.code() == grpc.StatusCode.ABORTED
+    b.push(0, codec.spec, encode_chunks(codec, torch.randn(n) * 1e-2, 1 << 20)[0], tokens=10)
     results: dict[str, Any] = {}
     waiter = threading.Thread(target=lambda: results.setdefault("b", b.pull(0, n)))
     waiter.start()
-    codec = parse_pipeline("q8|zstd:3")
-    for client in (a, b):
-        client.push(0, codec.spec, encode_chunks(codec, torch.randn(n) * 1e-2, 1 << 20)[0], tokens=10)
+    time.sleep(0.5)
+    assert not results  # still waiting for site-a
+    a.push(0, codec.spec, encode_chunks(codec, torch.randn(n) * 1e-2, 1 << 20)[0], tokens=10)
     waiter.join(10)
     pulled_a = a.pull(0, n)
     assert torch.equal(pulled_a.values, results["b"].values)
