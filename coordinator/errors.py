@@ -19,6 +19,10 @@ class FailedPrecondition(CoordinatorError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class LateContribution(FailedPrecondition):
+    """A push for a round that already closed without it (a straggler)."""
+
+
 class ContributionMissing(CoordinatorError):
     """A site waits for a round it has no contribution in (lost in a restart): push again."""
 

@@ -29,6 +29,7 @@ from geodiloco.coordinator.errors import (
     ContributionMissing,
     FailedPrecondition,
     InvalidArgument,
+    LateContribution,
     PermissionDenied,
 )
 from geodiloco.coordinator.outer_optimizer import build_outer_optimizer
@@ -50,6 +51,7 @@ class SiteRecord:
     last_round: int = -1  # last round contributed to
     accepted: int = 0
     rejected: int = 0
+    late: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
     eval_loss: float = float("nan")
@@ -186,14 +188,14 @@ class RoundController:
     def check_push(self, name: str, run_id: str, round_: int) -> bool:
         """Validate a push before its payload is read. True when it is a duplicate."""
         record = self.member(name, run_id)
+        if round_ < self.round:
+            if record.last_round >= round_:
+                return True
+            raise LateContribution(f"round {round_} is closed; the current round is {self.round}")
         if self.finished:
             raise FailedPrecondition(f"run {self.cfg.run_id!r} has finished; nothing to push")
         if round_ == self.round:
             return name in self.mean.contributors
-        if round_ < self.round:
-            if record.last_round >= round_:
-                return True
-            raise FailedPrecondition(f"round {round_} is closed; the current round is {self.round}")
         raise FailedPrecondition(f"round {round_} is not open yet; the current round is {self.round}")
 
     async def contribute(self, name: str, run_id: str, round_: int, tokens: int, delta: torch.Tensor) -> bool:
@@ -215,9 +217,16 @@ class RoundController:
         await self._maybe_close()
         return True
 
-    def record_rejection(self, name: str) -> None:
-        if name in self.sites:
-            self.sites[name].rejected += 1
+    def record_rejection(self, name: str, reason: Exception) -> None:
+        """Count a refused push: late (its round had closed) or rejected (anything else)."""
+        record = self.sites.get(name)
+        if record is None:
+            return
+        if isinstance(reason, LateContribution):
+            record.late += 1
+            log.info("round %d: dropped a late contribution from %s", self.round, name)
+        else:
+            record.rejected += 1
 
     # -- closing a round --------------------------------------------------------------------
 
@@ -431,6 +440,9 @@ class RoundController:
             return "finished"
         if not self.history and self.live_sites() != set(self.sites):
             return "waiting_for_sites"
+        overdue = time.monotonic() - self.round_opened >= self.cfg.round_timeout_s
+        if overdue and len(self.mean.contributors) < self.cfg.quorum:
+            return "waiting_for_quorum"  # past the deadline, but too few contributions to commit
         return "training"
 
     def all_sites_done(self) -> bool:
@@ -442,6 +454,7 @@ _SITE_FIELDS_SAVED = (
     "last_round",
     "accepted",
     "rejected",
+    "late",
     "bytes_in",
     "bytes_out",
     "eval_loss",

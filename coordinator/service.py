@@ -149,7 +149,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 accepted = await self.c.contribute(site, first.header.run_id, round_, first.tokens, staging)
                 duplicate = not accepted
         except (CoordinatorError, CodecError) as exc:
-            self.c.record_rejection(site)
+            self.c.record_rejection(site, exc)
             await _abort(context, "PushDelta", site, exc)
         ack = outer_sync_pb2.PushAck(
             round=round_, fragment=fragment, duplicate=duplicate, payload_bytes=payload_bytes
@@ -266,6 +266,7 @@ def status_message(c: RoundController) -> Any:
             bytes_out=s.bytes_out,
             accepted=s.accepted,
             rejected=s.rejected,
+            late=s.late,
             hash_ok=s.hash_ok,
             last_report_round=s.last_report_round,
         )

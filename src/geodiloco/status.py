@@ -59,7 +59,7 @@ def format_status(status: Any) -> str:
         + (f"; last eval loss {_loss(last.eval_loss)} (round {last.round})" if last else ""),
         "",
         f"{'site':<14}{'state':<9}{'round':>6}{'lease':>8}{'eval':>9}{'train':>9}"
-        f"{'in':>11}{'out':>11}{'ok':>5}{'rej':>5}{'hash':>6}",
+        f"{'in':>11}{'out':>11}{'ok':>5}{'late':>5}{'rej':>5}{'hash':>6}",
     ]
     for s in status.sites:
         lease = f"{s.lease_remaining_s:.1f}s" if s.state == "joined" else "-"
@@ -67,6 +67,6 @@ def format_status(status: Any) -> str:
         lines.append(
             f"{s.site:<14}{s.state:<9}{last_round:>6}{lease:>8}{_loss(s.eval_loss):>9}"
             f"{_loss(s.train_loss):>9}{human_bytes(s.bytes_in):>11}{human_bytes(s.bytes_out):>11}"
-            f"{s.accepted:>5}{s.rejected:>5}{'ok' if s.hash_ok else 'BAD':>6}"
+            f"{s.accepted:>5}{s.late:>5}{s.rejected:>5}{'ok' if s.hash_ok else 'BAD':>6}"
         )
     return "\n".join(lines)

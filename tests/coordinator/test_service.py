@@ -168,3 +168,22 @@ def test_health_and_reflection_are_served(coordinator: CoordinatorThread) -> Non
         )
         names = {s.name for s in reply.list_services_response.service}
         assert {"geodiloco.v1.OuterSync", "geodiloco.v1.Admin", "grpc.health.v1.Health"} <= names
+
+
+def test_push_stream_broken_midway_leaves_no_trace(coordinator: CoordinatorThread) -> None:
+    n = coordinator.controller.num_params
+    a = OuterSyncClient(coordinator.target, "site-a")
+    a.join()
+    msgs = push_messages(a, 0, torch.randn(n) * 1e-2, chunk_elements=1000)
+
+    def dies_after_two_chunks() -> Any:
+        yield from msgs[:2]
+        raise ConnectionError("site crashed mid-push")
+
+    with pytest.raises(grpc.RpcError) as err:
+        outer_sync_pb2_grpc.OuterSyncStub(a.channel).PushDelta(dies_after_two_chunks(), timeout=10)
+    assert err.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+    time.sleep(0.2)
+    assert not coordinator.controller.mean.contributors and coordinator.controller.round == 0
+    ack = outer_sync_pb2_grpc.OuterSyncStub(a.channel).PushDelta(iter(msgs), timeout=10)
+    assert not ack.duplicate  # the whole push, resent, is accepted once

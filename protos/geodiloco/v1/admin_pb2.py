@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18geodiloco/v1/admin.proto\x12\x0cgeodiloco.v1\"\x0f\n\rStatusRequest\"\x84\x02\n\nSiteStatus\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x12\n\nlast_round\x18\x03 \x01(\x03\x12\x19\n\x11lease_remaining_s\x18\x04 \x01(\x01\x12\x11\n\teval_loss\x18\x05 \x01(\x01\x12\x12\n\ntrain_loss\x18\x06 \x01(\x01\x12\x0e\n\x06tokens\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\n \x01(\x04\x12\x10\n\x08rejected\x18\x0b \x01(\x04\x12\x0f\n\x07hash_ok\x18\x0c \x01(\x08\x12\x19\n\x11last_report_round\x18\r \x01(\x03\"\xd3\x01\n\x0bRoundRecord\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x14\n\x0c\x63ontributors\x18\x02 \x03(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x11\n\teval_loss\x18\x04 \x01(\x01\x12\x12\n\neval_count\x18\x05 \x01(\x04\x12\x12\n\nstate_hash\x18\x06 \x01(\t\x12\x12\n\nduration_s\x18\x07 \x01(\x01\x12\x14\n\x0cupdate_bytes\x18\x08 \x01(\x04\x12\x14\n\x0chashes_agree\x18\t \x01(\x08\x12\x14\n\x0chash_reports\x18\n \x01(\r\"\x8e\x02\n\x0eStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x14\n\x0crounds_total\x18\x03 \x01(\x04\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\'\n\x05sites\x18\x05 \x03(\x0b\x32\x18.geodiloco.v1.SiteStatus\x12*\n\x07history\x18\x06 \x03(\x0b\x32\x19.geodiloco.v1.RoundRecord\x12\x14\n\x0cwan_bytes_in\x18\x07 \x01(\x04\x12\x15\n\rwan_bytes_out\x18\x08 \x01(\x04\x12\x10\n\x08uptime_s\x18\t \x01(\x01\x12\r\n\x05phase\x18\n \x01(\t\x12\x12\n\nnum_params\x18\x0b \x01(\x04\"\"\n\x0fShutdownRequest\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"\x12\n\x10ShutdownResponse2\x9a\x01\n\x05\x41\x64min\x12\x46\n\tGetStatus\x12\x1b.geodiloco.v1.StatusRequest\x1a\x1c.geodiloco.v1.StatusResponse\x12I\n\x08Shutdown\x12\x1d.geodiloco.v1.ShutdownRequest\x1a\x1e.geodiloco.v1.ShutdownResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18geodiloco/v1/admin.proto\x12\x0cgeodiloco.v1\"\x0f\n\rStatusRequest\"\x92\x02\n\nSiteStatus\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x12\n\nlast_round\x18\x03 \x01(\x03\x12\x19\n\x11lease_remaining_s\x18\x04 \x01(\x01\x12\x11\n\teval_loss\x18\x05 \x01(\x01\x12\x12\n\ntrain_loss\x18\x06 \x01(\x01\x12\x0e\n\x06tokens\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\n \x01(\x04\x12\x10\n\x08rejected\x18\x0b \x01(\x04\x12\x0f\n\x07hash_ok\x18\x0c \x01(\x08\x12\x19\n\x11last_report_round\x18\r \x01(\x03\x12\x0c\n\x04late\x18\x0e \x01(\x04\"\xd3\x01\n\x0bRoundRecord\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x14\n\x0c\x63ontributors\x18\x02 \x03(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x11\n\teval_loss\x18\x04 \x01(\x01\x12\x12\n\neval_count\x18\x05 \x01(\x04\x12\x12\n\nstate_hash\x18\x06 \x01(\t\x12\x12\n\nduration_s\x18\x07 \x01(\x01\x12\x14\n\x0cupdate_bytes\x18\x08 \x01(\x04\x12\x14\n\x0chashes_agree\x18\t \x01(\x08\x12\x14\n\x0chash_reports\x18\n \x01(\r\"\x8e\x02\n\x0eStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x14\n\x0crounds_total\x18\x03 \x01(\x04\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\'\n\x05sites\x18\x05 \x03(\x0b\x32\x18.geodiloco.v1.SiteStatus\x12*\n\x07history\x18\x06 \x03(\x0b\x32\x19.geodiloco.v1.RoundRecord\x12\x14\n\x0cwan_bytes_in\x18\x07 \x01(\x04\x12\x15\n\rwan_bytes_out\x18\x08 \x01(\x04\x12\x10\n\x08uptime_s\x18\t \x01(\x01\x12\r\n\x05phase\x18\n \x01(\t\x12\x12\n\nnum_params\x18\x0b \x01(\x04\"\"\n\x0fShutdownRequest\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"\x12\n\x10ShutdownResponse2\x9a\x01\n\x05\x41\x64min\x12\x46\n\tGetStatus\x12\x1b.geodiloco.v1.StatusRequest\x1a\x1c.geodiloco.v1.StatusResponse\x12I\n\x08Shutdown\x12\x1d.geodiloco.v1.ShutdownRequest\x1a\x1e.geodiloco.v1.ShutdownResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_start=42
   _globals['_STATUSREQUEST']._serialized_end=57
   _globals['_SITESTATUS']._serialized_start=60
-  _globals['_SITESTATUS']._serialized_end=320
-  _globals['_ROUNDRECORD']._serialized_start=323
-  _globals['_ROUNDRECORD']._serialized_end=534
-  _globals['_STATUSRESPONSE']._serialized_start=537
-  _globals['_STATUSRESPONSE']._serialized_end=807
-  _globals['_SHUTDOWNREQUEST']._serialized_start=809
-  _globals['_SHUTDOWNREQUEST']._serialized_end=843
-  _globals['_SHUTDOWNRESPONSE']._serialized_start=845
-  _globals['_SHUTDOWNRESPONSE']._serialized_end=863
-  _globals['_ADMIN']._serialized_start=866
-  _globals['_ADMIN']._serialized_end=1020
+  _globals['_SITESTATUS']._serialized_end=334
+  _globals['_ROUNDRECORD']._serialized_start=337
+  _globals['_ROUNDRECORD']._serialized_end=548
+  _globals['_STATUSRESPONSE']._serialized_start=551
+  _globals['_STATUSRESPONSE']._serialized_end=821
+  _globals['_SHUTDOWNREQUEST']._serialized_start=823
+  _globals['_SHUTDOWNREQUEST']._serialized_end=857
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=859
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=877
+  _globals['_ADMIN']._serialized_start=880
+  _globals['_ADMIN']._serialized_end=1034
 # @@protoc_insertion_point(module_scope)

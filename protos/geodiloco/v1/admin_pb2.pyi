@@ -50,6 +50,7 @@ class SiteStatus(_message.Message):
     REJECTED_FIELD_NUMBER: _builtins.int
     HASH_OK_FIELD_NUMBER: _builtins.int
     LAST_REPORT_ROUND_FIELD_NUMBER: _builtins.int
+    LATE_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     state: _builtins.str
     """joined, training, left, lost"""
@@ -72,6 +73,8 @@ class SiteStatus(_message.Message):
     """last reported parameter hash matched the coordinator's"""
     last_report_round: _builtins.int
     """-1 before its first report"""
+    late: _builtins.int
+    """contributions that arrived after their round closed (dropped)"""
     def __init__(
         self,
         *,
@@ -88,10 +91,11 @@ class SiteStatus(_message.Message):
         rejected: _builtins.int = ...,
         hash_ok: _builtins.bool = ...,
         last_report_round: _builtins.int = ...,
+        late: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "eval_loss", b"eval_loss", "hash_ok", b"hash_ok", "last_report_round", b"last_report_round", "last_round", b"last_round", "lease_remaining_s", b"lease_remaining_s", "rejected", b"rejected", "site", b"site", "state", b"state", "tokens", b"tokens", "train_loss", b"train_loss"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "eval_loss", b"eval_loss", "hash_ok", b"hash_ok", "last_report_round", b"last_report_round", "last_round", b"last_round", "late", b"late", "lease_remaining_s", b"lease_remaining_s", "rejected", b"rejected", "site", b"site", "state", b"state", "tokens", b"tokens", "train_loss", b"train_loss"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -171,7 +175,7 @@ class StatusResponse(_message.Message):
     wan_bytes_out: _builtins.int
     uptime_s: _builtins.float
     phase: _builtins.str
-    """waiting_for_sites, training, finished"""
+    """waiting_for_sites, training, waiting_for_quorum, finished"""
     num_params: _builtins.int
     @_builtins.property
     def sites(self) -> _containers.RepeatedCompositeFieldContainer[Global___SiteStatus]: ...

@@ -1,0 +1,158 @@
+"""The round state machine on plain tensors: every transition, no gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError, load_state
+from geodiloco.coordinator.errors import ContributionMissing, FailedPrecondition, LateContribution
+from geodiloco.coordinator.rounds import RoundController
+from geodiloco.params import state_hash
+from helpers import tiny_config
+
+N = 1000
+
+
+def controller(tmp_path: Path | None = None, **overrides: object) -> RoundController:
+    cfg = tiny_config(**{"round_timeout_s": 0.2, **overrides})
+    return RoundController(cfg, torch.zeros(N), tmp_path)
+
+
+async def join_all(c: RoundController) -> None:
+    for name in c.cfg.sites:
+        await c.join(name, "")
+
+
+async def test_quorum_of_all_live_sites_closes_the_round() -> None:
+    c = controller()
+    await join_all(c)
+    await c.contribute("site-a", "", 0, 100, torch.ones(N))
+    assert c.round == 0
+    await c.contribute("site-b", "", 0, 300, torch.full((N,), 3.0))
+    assert c.round == 1 and c.history[0].contributors == ["site-a", "site-b"]
+    assert c.history[0].tokens == 400
+
+
+async def test_deadline_with_quorum_closes_without_the_straggler() -> None:
+    c = controller(min_sites=1)
+    await join_all(c)
+    await c.contribute("site-a", "", 0, 100, torch.ones(N))
+    assert c.round == 0  # site-b is live: wait for it until the deadline
+    await asyncio.sleep(0.25)
+    await c.tick()
+    assert c.round == 1 and c.history[0].contributors == ["site-a"]
+
+
+async def test_deadline_without_quorum_waits_and_says_so() -> None:
+    c = controller(min_sites=2)
+    await join_all(c)
+    await c.contribute("site-a", "", 0, 100, torch.ones(N))
+    await asyncio.sleep(0.25)
+    await c.tick()
+    assert c.round == 0 and c.phase == "waiting_for_quorum"
+    await c.contribute("site-b", "", 0, 100, torch.ones(N))
+    assert c.round == 1 and c.phase == "training"
+
+
+async def test_late_contribution_is_dropped_and_counted() -> None:
+    c = controller(min_sites=1)
+    await join_all(c)
+    await c.contribute("site-a", "", 0, 100, torch.ones(N))
+    await asyncio.sleep(0.25)
+    await c.tick()
+    theta = c.theta.clone()
+    with pytest.raises(LateContribution) as err:
+        await c.contribute("site-b", "", 0, 100, torch.ones(N))
+    c.record_rejection("site-b", err.value)
+    assert c.sites["site-b"].late == 1 and c.sites["site-b"].rejected == 0
+    assert torch.equal(c.theta, theta) and not c.mean.contributors
+
+
+async def test_duplicate_push_changes_nothing() -> None:
+    c = controller()
+    await join_all(c)
+    assert await c.contribute("site-a", "", 0, 100, torch.ones(N))
+    assert not await c.contribute("site-a", "", 0, 100, torch.full((N,), 9.0))
+    assert c.mean.weight == 100 and c.sites["site-a"].accepted == 1
+    await c.contribute("site-b", "", 0, 100, torch.ones(N))
+    assert not await c.contribute("site-b", "", 0, 100, torch.ones(N))  # after the commit too
+    assert c.round == 1
+
+
+async def test_lost_site_stops_being_waited_for() -> None:
+    c = controller(min_sites=1, round_timeout_s=60.0, lease_s=0.6, heartbeat_interval_s=0.1)
+    await join_all(c)
+    await c.contribute("site-a", "", 0, 100, torch.ones(N))
+    await asyncio.sleep(0.7)
+    c.member("site-a", "")  # site-a is alive; site-b went silent mid-round
+    await c.tick()
+    assert c.sites["site-b"].state == "lost"
+    assert c.round == 1 and c.history[0].contributors == ["site-a"]
+    with pytest.raises(FailedPrecondition, match="has not joined"):
+        c.member("site-b", "")
+
+
+async def test_pull_without_a_contribution_is_refused_instead_of_waiting_forever() -> None:
+    c = controller()
+    await join_all(c)
+    with pytest.raises(ContributionMissing):
+        await c.wait_for_update(0, "site-a")
+
+
+async def test_fedavg_commit_matches_hand_computation_and_every_receiver_view() -> None:
+    c = controller(outer__optimizer="fedavg", outer__lr=1.0, outer__momentum=0.0)
+    await join_all(c)
+    await c.contribute("site-a", "", 0, 100, torch.full((N,), 0.5))
+    await c.contribute("site-b", "", 0, 300, torch.full((N,), -0.5))
+    # Δ = (100 * 0.5 + 300 * -0.5) / 400 = -0.25; θ = 0 - Δ = 0.25 (int8 is exact for a constant)
+    assert torch.allclose(c.theta, torch.full((N,), 0.25))
+    update = await c.wait_for_update(0, "site-a")
+    assert update is not None and update.state_hash == state_hash(c.theta) == c.hashes[1]
+
+
+async def test_state_survives_a_restart_bit_for_bit(tmp_path: Path) -> None:
+    c = controller(tmp_path)
+    await join_all(c)
+    for r in range(2):
+        for site in c.cfg.sites:
+            await c.contribute(site, "", r, 100, torch.randn(N) * 0.01)
+    restarted = controller(tmp_path)
+    assert restarted.round == 2 and torch.equal(restarted.theta, c.theta)
+    assert restarted.hashes == c.hashes
+    assert restarted.optimizer.state_dict()["steps"] == 2  # type: ignore[index]
+    assert torch.equal(restarted.downlink_feedback.residual, c.downlink_feedback.residual)
+    assert [h.state_hash for h in restarted.history] == [h.state_hash for h in c.history]
+    assert len((tmp_path / "rounds.jsonl").read_text().splitlines()) == 2
+    # the same next contributions give the same next state in both
+    for ctl in (c, restarted):
+        for site in ctl.cfg.sites:
+            await ctl.join(site, "")
+            await ctl.contribute(site, "", 2, 100, torch.full((N,), 0.01))
+    assert torch.equal(restarted.theta, c.theta)
+
+
+def test_corrupt_state_is_refused(tmp_path: Path) -> None:
+    c = controller(tmp_path)
+    asyncio.run(_one_round(c))
+    path = tmp_path / STATE_FILE
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptStateError, match="checksum"):
+        load_state(path)
+
+
+async def _one_round(c: RoundController) -> None:
+    await join_all(c)
+    for site in c.cfg.sites:
+        await c.contribute(site, "", 0, 100, torch.ones(N))
+
+
+def test_state_of_another_run_is_refused(tmp_path: Path) -> None:
+    asyncio.run(_one_round(controller(tmp_path)))
+    with pytest.raises(ValueError, match="belongs to run 'test-run'"):
+        controller(tmp_path, run_id="other")
