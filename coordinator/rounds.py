@@ -32,8 +32,10 @@ from geodiloco.coordinator.errors import (
     LateContribution,
     PermissionDenied,
 )
+from geodiloco.coordinator.ledger import DataLedger
 from geodiloco.coordinator.outer_optimizer import build_outer_optimizer
 from geodiloco.params import state_hash
+from geodiloco.workload.data import DataRange
 
 log = logging.getLogger("geodiloco.coordinator")
 
@@ -59,6 +61,7 @@ class SiteRecord:
     tokens: int = 0
     hash_ok: bool = True
     last_report_round: int = -1
+    world_size: int = 1
 
 
 @dataclass(slots=True)
@@ -91,6 +94,7 @@ class RoundRecord:
     state_hash: str
     duration_s: float
     update_bytes: int
+    data: list[list[Any]] = field(default_factory=list)  # [site, shard, start, end, epoch] consumed
     eval_loss_sum: float = 0.0
     eval_count: int = 0
     hash_reports: dict[str, bool] = field(default_factory=dict)
@@ -107,8 +111,12 @@ class RoundRecord:
 class RoundController:
     """Owns θ, the outer optimizer and the run's membership; one per coordinator."""
 
-    def __init__(self, cfg: RunConfig, initial: torch.Tensor, run_dir: Path | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, initial: torch.Tensor, shard_sizes: list[int], run_dir: Path | None = None
+    ) -> None:
         self.cfg = cfg
+        self.shard_sizes = list(shard_sizes)
+        self.ledger = DataLedger.create(self.shard_sizes, cfg.sites)
         self.theta = initial.detach().to(torch.float32).clone()
         self.num_params = self.theta.numel()
         self.round = 0
@@ -163,10 +171,13 @@ class RoundController:
         record.last_seen = time.monotonic()
         return record
 
-    async def join(self, name: str, run_id: str) -> SiteRecord:
+    async def join(self, name: str, run_id: str, world_size: int = 1) -> SiteRecord:
         self.check_run(run_id)
         record = self.site(name)
         record.state, record.last_seen = "joined", time.monotonic()
+        record.world_size = max(1, world_size)
+        if not self.finished:
+            self.ledger.reserve(name, self.windows_per_round(record))
         log.info("site %s joined at round %d (shard %d)", name, self.round, record.shard_index)
         await self._notify()
         return record
@@ -177,8 +188,27 @@ class RoundController:
             return  # a retried Leave changes nothing
         record = self.member(name, run_id)
         record.state = "left"
+        self.ledger.release_site(name)
         log.info("site %s left: %s", name, reason or "no reason given")
         await self._maybe_close()
+
+    def windows_per_round(self, record: SiteRecord) -> int:
+        return self.cfg.inner.steps_per_round * record.world_size * self.cfg.data.batch_size
+
+    def data_for(self, name: str) -> list[DataRange]:
+        """The windows the site trains on in the current round (empty once the run is over)."""
+        return self.ledger.reservation(name) or []
+
+    def check_data(self, name: str, data: list[DataRange]) -> None:
+        """A contribution must have trained on exactly the windows the ledger reserved for it."""
+        expected = self.ledger.reservation(name)
+        if expected is None:
+            expected = self.ledger.reserve(name, self.windows_per_round(self.sites[name]))
+        if data != expected:
+            raise FailedPrecondition(
+                f"site {name!r} trained on {_ranges(data)}, "
+                f"but the ledger reserved {_ranges(expected)}; rejoin"
+            )
 
     def live_sites(self) -> set[str]:
         return {s.name for s in self.sites.values() if s.state == "joined"}
@@ -198,8 +228,18 @@ class RoundController:
             return name in self.mean.contributors
         raise FailedPrecondition(f"round {round_} is not open yet; the current round is {self.round}")
 
-    async def contribute(self, name: str, run_id: str, round_: int, tokens: int, delta: torch.Tensor) -> bool:
-        """Add one site's decoded pseudo-gradient. Returns False for an idempotent duplicate."""
+    async def contribute(
+        self,
+        name: str,
+        run_id: str,
+        round_: int,
+        tokens: int,
+        delta: torch.Tensor,
+        data: list[DataRange] | None = None,
+    ) -> bool:
+        """Add one site's decoded pseudo-gradient. Returns False for an idempotent duplicate.
+
+        ``data`` is what it trained on; None (tests, tools) means what the ledger reserved."""
         if tokens <= 0:
             raise InvalidArgument("tokens must be > 0")
         if delta.shape != (self.num_params,):
@@ -209,6 +249,7 @@ class RoundController:
         async with self._commit_lock:
             if self.check_push(name, run_id, round_):
                 return False
+            self.check_data(name, self.data_for(name) if data is None else data)
             self.mean.add(name, delta, tokens)
             record = self.sites[name]
             record.last_round, record.accepted = round_, record.accepted + 1
@@ -252,6 +293,12 @@ class RoundController:
         self.updates[r] = CommittedUpdate(r, self.downlink.spec, chunks, digest)
         self.updates.pop(r - KEEP_UPDATES, None)
         self.hashes[r + 1] = digest
+        consumed = [
+            [site, d.shard, d.start, d.end, d.epoch]
+            for site in sorted(mean.contributors)
+            for d in self.data_for(site)
+        ]
+        self.ledger.settle(r, set(mean.contributors))
         record = RoundRecord(
             round=r,
             contributors=sorted(mean.contributors),
@@ -259,9 +306,13 @@ class RoundController:
             state_hash=digest,
             duration_s=started - self.round_opened,
             update_bytes=self.updates[r].payload_bytes,
+            data=consumed,
         )
         self.history.append(record)
         self.round += 1
+        if not self.finished:
+            for name in sorted(self.live_sites()):
+                self.ledger.reserve(name, self.windows_per_round(self.sites[name]))
         self.mean = WeightedMean(self.num_params)
         self.round_opened = time.monotonic()
         self._full_state = None
@@ -311,6 +362,7 @@ class RoundController:
                     "state_hash": record.state_hash,
                     "update_bytes": record.update_bytes,
                     "duration_s": round(record.duration_s, 3),
+                    "data": record.data,
                 }
                 f.write(json.dumps(line) + "\n")
 
@@ -326,6 +378,7 @@ class RoundController:
             "hashes": dict(self.hashes),
             "sites": {name: _site_state(s) for name, s in self.sites.items()},
             "history": [dataclasses.asdict(h) for h in self.history],
+            "ledger": self.ledger.state_dict(),
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -342,6 +395,7 @@ class RoundController:
         self.downlink_feedback.residual.copy_(state["downlink_residual"])
         self.hashes = {int(k): v for k, v in state["hashes"].items()}
         self.history = [RoundRecord(**h) for h in state["history"]]
+        self.ledger = DataLedger.from_state_dict(state["ledger"])
         now = time.monotonic()
         for name, saved in state["sites"].items():
             if name in self.sites:
@@ -362,6 +416,7 @@ class RoundController:
         for record in self.sites.values():
             if record.state == "joined" and now - record.last_seen > self.cfg.lease_s:
                 record.state = "lost"
+                self.ledger.release_site(record.name)
                 log.warning("site %s lost: no heartbeat for %.1fs", record.name, now - record.last_seen)
         await self._maybe_close()
 
@@ -461,9 +516,14 @@ _SITE_FIELDS_SAVED = (
     "train_loss",
     "tokens",
     "hash_ok",
+    "world_size",
     "last_report_round",
 )
 
 
 def _site_state(record: SiteRecord) -> dict[str, Any]:
     return {key: getattr(record, key) for key in _SITE_FIELDS_SAVED}
+
+
+def _ranges(data: list[DataRange]) -> str:
+    return ", ".join(f"shard {d.shard}[{d.start}:{d.end}]" for d in data) or "nothing"

@@ -19,6 +19,7 @@ from geodiloco.coordinator.rounds import RoundController
 from geodiloco.coordinator.service import AdminServicer, OuterSyncServicer
 from geodiloco.params import flatten_parameters
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
+from geodiloco.workload.data import DataShards, load_corpus
 from geodiloco.workload.model import build_model
 
 log = logging.getLogger("geodiloco.coordinator")
@@ -53,6 +54,12 @@ class ServeOptions:
     port_file: Path | None = None
     exit_when_finished: bool = False
     grace_s: float = 5.0
+
+
+def data_shard_sizes(cfg: RunConfig) -> list[int]:
+    """Windows per data shard, for the ledger (the same text the sites read)."""
+    corpus = load_corpus(cfg.data.paths, cfg.data.max_bytes, cfg.data.eval_fraction)
+    return DataShards(corpus, count=cfg.data.shards, seq_len=cfg.model.seq_len, seed=cfg.seed).sizes
 
 
 def initial_parameters(cfg: RunConfig) -> torch.Tensor:
@@ -127,7 +134,7 @@ async def run_until_stopped(running: RunningServer, exit_when_finished: bool = F
 
 async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
     """The `geodiloco coordinator serve` process: serve until SIGINT/SIGTERM or Shutdown."""
-    controller = RoundController(cfg, initial_parameters(cfg), opts.run_dir)
+    controller = RoundController(cfg, initial_parameters(cfg), data_shard_sizes(cfg), opts.run_dir)
     running = await start_server(controller, opts.host, opts.port, opts.grace_s)
     log.info(
         "coordinator for run %s serving on %s:%d (%d parameters, sites: %s)",

@@ -22,6 +22,7 @@ from geodiloco.compression import CodecError
 from geodiloco.coordinator.errors import CoordinatorError, InvalidArgument
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
+from geodiloco.wire import ranges_from_proto, ranges_to_proto
 
 log = logging.getLogger("geodiloco.coordinator")
 
@@ -64,7 +65,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
 
     async def Join(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def handle() -> Any:
-            record = await self.c.join(request.site, request.run_id)
+            record = await self.c.join(request.site, request.run_id, request.world_size)
             if request.version and request.version != __version__:
                 log.warning(
                     "site %s runs geodiloco %s, coordinator %s", request.site, request.version, __version__
@@ -79,6 +80,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 num_params=self.c.num_params,
                 heartbeat_interval_s=self.c.cfg.heartbeat_interval_s,
                 finished=self.c.finished,
+                data=ranges_to_proto(self.c.data_for(request.site)),
             )
 
         return await self._unary("Join", request, context, handle)
@@ -146,7 +148,10 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                     f"{covered} of {self.c.num_params} elements"
                 )
             if staging is not None:
-                accepted = await self.c.contribute(site, first.header.run_id, round_, first.tokens, staging)
+                data = ranges_from_proto(first.data)
+                accepted = await self.c.contribute(
+                    site, first.header.run_id, round_, first.tokens, staging, data
+                )
                 duplicate = not accepted
         except (CoordinatorError, CodecError) as exc:
             self.c.record_rejection(site, exc)
@@ -160,6 +165,8 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
     def _check_first_chunk(self, chunk: Any) -> bool:
         h = chunk.header
         duplicate = self.c.check_push(h.site, h.run_id, h.round)
+        if not duplicate:
+            self.c.check_data(h.site, ranges_from_proto(chunk.data))
         if h.fragment != 0:
             raise InvalidArgument(f"fragment {h.fragment} does not exist; this run has one fragment (0)")
         if h.codec != self.c.uplink.spec:
@@ -232,6 +239,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 total_chunks=len(chunks),
                 finished=next_round >= self.c.cfg.rounds,
                 kind=kind,
+                data=ranges_to_proto(self.c.data_for(request.site)) if seq == len(chunks) - 1 else [],
             )
             self._count(request.site, sent=message)
             yield message
@@ -299,4 +307,6 @@ def status_message(c: RoundController) -> Any:
         uptime_s=now - c.started,
         phase=c.phase,
         num_params=c.num_params,
+        data_windows_consumed=c.ledger.progress()[0],
+        data_windows_total=c.ledger.progress()[1],
     )

@@ -23,6 +23,8 @@ import torch
 from geodiloco import __version__
 from geodiloco.compression import CodecError, EncodedChunk, decode_chunks_into, parse_pipeline
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
+from geodiloco.wire import ranges_from_proto, ranges_to_proto
+from geodiloco.workload.data import DataRange
 
 log = logging.getLogger("geodiloco.site")
 
@@ -71,6 +73,7 @@ class JoinInfo:
     num_params: int
     heartbeat_interval_s: float
     finished: bool
+    data: list[DataRange]  # what to train on in `round`
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +85,17 @@ class PulledState:
     next_round: int
     state_hash: str
     finished: bool
+    data: list[DataRange]  # what to train on in `next_round`
 
 
 def delta_messages(
-    run_id: str, site: str, round_: int, codec: str, chunks: list[EncodedChunk], tokens: int
+    run_id: str,
+    site: str,
+    round_: int,
+    codec: str,
+    chunks: list[EncodedChunk],
+    tokens: int,
+    data: list[DataRange] | None = None,
 ) -> list[Any]:
     """The PushDelta stream for one round's encoded pseudo-gradient."""
     return [
@@ -103,6 +113,7 @@ def delta_messages(
             payload=chunk.payload,
             tokens=tokens,
             total_chunks=len(chunks),
+            data=ranges_to_proto(data or []) if seq == 0 else [],
         )
         for seq, chunk in enumerate(chunks)
     ]
@@ -114,6 +125,7 @@ class OuterSyncClient:
     def __init__(self, target: str, site: str, *, max_attempts: int = 8) -> None:
         self.site = site
         self.run_id = ""
+        self.assigned: list[DataRange] = []  # the ledger's data for this site, as last told
         self.max_attempts = max_attempts
         self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = outer_sync_pb2_grpc.OuterSyncStub(self.channel)
@@ -157,6 +169,7 @@ class OuterSyncClient:
         )
         r = self._with_backoff("join", lambda: self._unary(self.stub.Join, request))
         self.run_id = r.run_id
+        self.assigned = ranges_from_proto(r.data)
         return JoinInfo(
             r.run_id,
             r.run_config_json,
@@ -167,6 +180,7 @@ class OuterSyncClient:
             r.num_params,
             r.heartbeat_interval_s,
             r.finished,
+            ranges_from_proto(r.data),
         )
 
     def heartbeat(self, round_: int) -> Any:
@@ -211,12 +225,16 @@ class OuterSyncClient:
         codec: str,
         chunks: list[EncodedChunk],
         tokens: int,
+        data: list[DataRange] | None = None,
         timeout_s: float = 600.0,
     ) -> Any:
-        """Stream one round's pseudo-gradient; retried as a whole (pushes are idempotent)."""
+        """Stream one round's pseudo-gradient; retried as a whole (pushes are idempotent).
+
+        ``data`` is what it trained on; by default the data the coordinator last assigned."""
+        data = self.assigned if data is None else data
 
         def messages() -> Iterator[Any]:
-            for msg in delta_messages(self.run_id, self.site, round_, codec, chunks, tokens):
+            for msg in delta_messages(self.run_id, self.site, round_, codec, chunks, tokens, data):
                 self._count(sent=msg)
                 yield msg
 
@@ -253,12 +271,14 @@ class OuterSyncClient:
 
             out = torch.empty(num_params, dtype=torch.float32)
             decode_chunks_into(parse_pipeline(first.header.codec), chunks(), out)
+            self.assigned = ranges_from_proto(last.data)
             return PulledState(
                 is_full_state=last.kind == outer_sync_pb2.PullRequest.FULL_STATE,
                 values=out,
                 next_round=last.next_round,
                 state_hash=last.state_hash,
                 finished=last.finished,
+                data=ranges_from_proto(last.data),
             )
 
         return self._with_backoff(f"pull of round {round_}", attempt)

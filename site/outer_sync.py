@@ -15,6 +15,7 @@ Data parallel inside the site (every rank holds the whole model) for now.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -62,6 +63,7 @@ class OuterSync:
         self.world_size = world_size
         self.config = RunConfig.from_json(info.run_config_json)
         self.round = info.round
+        self.data = info.data  # the ledger's windows for the current round
         self.finished = info.finished
         self.steps_in_round = 0
         self.tokens_in_round = 0
@@ -113,7 +115,7 @@ class OuterSync:
         if need_state:
             pulled = self._pull(full_state=True)
             local = pulled.values
-            self.round, self.finished = pulled.next_round, pulled.finished
+            self.round, self.finished, self.data = pulled.next_round, pulled.finished, pulled.data
             load_flat_parameters(model, local)
             log.info("loaded global state of round %d", self.round)
         self.snapshot = local.clone()
@@ -152,7 +154,7 @@ class OuterSync:
             log.error(
                 "parameters diverged after round %d: %s != %s", closed, digest[:12], pulled.state_hash[:12]
             )
-        self.round, self.finished = pulled.next_round, pulled.finished
+        self.round, self.finished, self.data = pulled.next_round, pulled.finished, pulled.data
         self.steps_in_round = self.tokens_in_round = 0
         self.last_result = RoundResult(closed, digest, int(tokens.item()), pulled.finished)
         if self._heartbeat is not None:
@@ -169,7 +171,9 @@ class OuterSync:
         assert self.client is not None
         for _ in range(MAX_EXCHANGES):
             try:
-                self.client.push(round_, self.uplink.spec, chunks, tokens, timeout_s=self.pull_timeout_s)
+                self.client.push(
+                    round_, self.uplink.spec, chunks, tokens, self.data, timeout_s=self.pull_timeout_s
+                )
                 return self.client.pull(round_, self.info.num_params, timeout_s=self.pull_timeout_s)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.ABORTED:
@@ -201,14 +205,12 @@ class OuterSync:
         values = torch.empty(self.info.num_params, dtype=torch.float32)
         if pulled is not None:
             values = pulled.values
-            meta = PulledState(
-                pulled.is_full_state, torch.empty(0), pulled.next_round, pulled.state_hash, pulled.finished
-            )
+            meta = dataclasses.replace(pulled, values=torch.empty(0))
         meta = _broadcast_object(meta)  # type: ignore[assignment]
         assert isinstance(meta, PulledState)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(values, src=0)
-        return PulledState(meta.is_full_state, values, meta.next_round, meta.state_hash, meta.finished)
+        return dataclasses.replace(meta, values=values)
 
     def report(
         self, eval_loss_sum: float, eval_count: int, train_loss: float, compute_seconds: float

@@ -18,7 +18,7 @@ from geodiloco.distributed import init_distributed, shutdown_distributed
 from geodiloco.logs import setup_logging
 from geodiloco.site.outer_sync import OuterSync
 from geodiloco.workload import (
-    ShardReader,
+    DataShards,
     build_model,
     eval_slice,
     eval_windows,
@@ -26,6 +26,7 @@ from geodiloco.workload import (
     inner_step,
     load_corpus,
     make_inner_optimizer,
+    rank_batch,
 )
 
 log = logging.getLogger("geodiloco.site")
@@ -39,14 +40,7 @@ def train(coordinator: str, site: str) -> None:
     ddp = DDP(model)
     optimizer = make_inner_optimizer(model, cfg.inner)
     corpus = load_corpus(cfg.data.paths, cfg.data.max_bytes, cfg.data.eval_fraction)
-    reader = ShardReader(
-        corpus,
-        shard_index=sync.shard_index,
-        shard_count=sync.shard_count,
-        seq_len=cfg.model.seq_len,
-        seed=cfg.seed,
-    )
-    reader.position = sync.round * cfg.inner.steps_per_round * world * cfg.data.batch_size
+    shards = DataShards(corpus, count=cfg.data.shards, seq_len=cfg.model.seq_len, seed=cfg.seed)
     my_eval = eval_slice(
         eval_windows(corpus, cfg.data.eval_sequences, cfg.model.seq_len),
         part=sync.shard_index * world + rank,
@@ -56,8 +50,10 @@ def train(coordinator: str, site: str) -> None:
     losses: list[float] = []
     started = time.perf_counter()
     while not sync.finished:
+        if sync.steps_in_round == 0:
+            windows = shards.windows(sync.data)  # the ledger's share of data for this round
         step = sync.round * cfg.inner.steps_per_round + sync.steps_in_round
-        x, y = reader.batch(rank, world, cfg.data.batch_size)
+        x, y = rank_batch(windows, sync.steps_in_round, rank, world, cfg.data.batch_size)
         losses.append(inner_step(ddp, optimizer, cfg.inner, step, x, y))
         compute_s = time.perf_counter() - started
         if not sync.step(tokens=tokens_per_step):

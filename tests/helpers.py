@@ -16,8 +16,16 @@ from typing import Any, TypeVar
 import torch
 
 from geodiloco.config import RunConfig
+from geodiloco.coordinator.ledger import ConsumedRecord, check_exactly_once
 from geodiloco.coordinator.rounds import RoundController
-from geodiloco.coordinator.server import RunningServer, initial_parameters, run_until_stopped, start_server
+from geodiloco.coordinator.server import (
+    RunningServer,
+    data_shard_sizes,
+    initial_parameters,
+    run_until_stopped,
+    start_server,
+)
+from geodiloco.workload.data import DataRange
 
 T = TypeVar("T")
 
@@ -64,7 +72,7 @@ class CoordinatorThread:
         asyncio.set_event_loop(self.loop)
 
         async def run() -> None:
-            controller = RoundController(self.cfg, self._initial)
+            controller = RoundController(self.cfg, self._initial, data_shard_sizes(self.cfg))
             self.running = await start_server(controller, "127.0.0.1", self.port, grace_s=0.5)
             self._ready.set()
             await run_until_stopped(self.running)
@@ -137,3 +145,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def ledger_problems(round_log: list[dict[str, Any]], cfg: RunConfig) -> list[str]:
+    """Audit a coordinator's round log: every data window consumed exactly once, no gaps."""
+    records = [
+        ConsumedRecord(entry["round"], site, DataRange(shard, start, end, epoch))
+        for entry in round_log
+        for site, shard, start, end, epoch in entry["data"]
+    ]
+    assert records, "the round log records no data"
+    return check_exactly_once(records, data_shard_sizes(cfg))

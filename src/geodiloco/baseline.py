@@ -19,10 +19,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from geodiloco.config import RunConfig
+from geodiloco.coordinator.ledger import DataLedger
 from geodiloco.distributed import init_distributed, shutdown_distributed
 from geodiloco.logs import setup_logging
 from geodiloco.workload import (
-    ShardReader,
+    DataShards,
     build_model,
     eval_slice,
     eval_windows,
@@ -30,6 +31,7 @@ from geodiloco.workload import (
     inner_step,
     load_corpus,
     make_inner_optimizer,
+    rank_batch,
 )
 
 
@@ -63,6 +65,10 @@ def run(cfg: RunConfig, ranks_per_site: int, out: Path | None) -> None:
     sites = world // ranks_per_site
     if sites * ranks_per_site != world:
         raise SystemExit(f"world size {world} is not a multiple of ranks_per_site {ranks_per_site}")
+    if sites != len(cfg.sites):
+        raise SystemExit(
+            f"{world} ranks / {ranks_per_site} per site is {sites} sites; the config names {len(cfg.sites)}"
+        )
     site, local = divmod(rank, ranks_per_site)
     model = build_model(cfg.model, cfg.seed)
     ddp = DDP(model)
@@ -70,9 +76,10 @@ def run(cfg: RunConfig, ranks_per_site: int, out: Path | None) -> None:
     ddp.register_comm_hook(counter, counting_allreduce_hook)
     optimizer = make_inner_optimizer(model, cfg.inner)
     corpus = load_corpus(cfg.data.paths, cfg.data.max_bytes, cfg.data.eval_fraction)
-    reader = ShardReader(
-        corpus, shard_index=site, shard_count=sites, seq_len=cfg.model.seq_len, seed=cfg.seed
-    )
+    shards = DataShards(corpus, count=cfg.data.shards, seq_len=cfg.model.seq_len, seed=cfg.seed)
+    # The same data, round by round, as a fault-free DiLoCo run: the ledger with every site live.
+    ledger = DataLedger.create(shards.sizes, cfg.sites)
+    me = cfg.sites[site]
     my_eval = eval_slice(
         eval_windows(corpus, cfg.data.eval_sequences, cfg.model.seq_len), part=rank, parts=world
     )
@@ -81,7 +88,12 @@ def run(cfg: RunConfig, ranks_per_site: int, out: Path | None) -> None:
     curve: list[dict[str, float]] = []
     started = time.perf_counter()
     for step in range(cfg.rounds * H):
-        x, y = reader.batch(local, ranks_per_site, cfg.data.batch_size)
+        if step % H == 0:
+            for name in cfg.sites:
+                ledger.reserve(name, H * ranks_per_site * cfg.data.batch_size)
+            windows = shards.windows(ledger.reservations[me])
+            ledger.settle(step // H, set(cfg.sites))
+        x, y = rank_batch(windows, step % H, local, ranks_per_site, cfg.data.batch_size)
         inner_step(ddp, optimizer, cfg.inner, step, x, y)
         if (step + 1) % H:
             continue

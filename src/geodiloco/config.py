@@ -42,6 +42,7 @@ class DataConfig:
 
     paths: list[str] = field(default_factory=list)
     max_bytes: int = 4_000_000
+    shards: int = 24  # units of the coordinator's data ledger
     eval_fraction: float = 0.05
     eval_sequences: int = 192
     batch_size: int = 8  # per rank
@@ -54,6 +55,7 @@ class DataConfig:
             f"must be in (0, 0.5), got {self.eval_fraction}",
         )
         _require(self.eval_sequences > 0, "data.eval_sequences", "must be > 0")
+        _require(self.shards > 0, "data.shards", f"must be > 0, got {self.shards}")
         _require(self.batch_size > 0, "data.batch_size", f"must be > 0, got {self.batch_size}")
 
 
@@ -150,6 +152,11 @@ class RunConfig:
                 f"site names use letters, digits, '-' and '_'; got {name!r}",
             )
         _require(self.rounds > 0, "rounds", f"must be > 0, got {self.rounds}")
+        _require(
+            self.data.shards >= len(self.sites),
+            "data.shards",
+            f"must be at least the number of sites ({len(self.sites)}), got {self.data.shards}",
+        )
         _require(
             0 <= self.min_sites <= len(self.sites),
             "min_sites",

@@ -57,6 +57,7 @@ def format_status(status: Any) -> str:
         f"{status.num_params:,} parameters, up {status.uptime_s:.0f}s",
         f"WAN bytes: {human_bytes(status.wan_bytes_in)} in, {human_bytes(status.wan_bytes_out)} out"
         + (f"; last eval loss {_loss(last.eval_loss)} (round {last.round})" if last else ""),
+        f"data ledger: {status.data_windows_consumed:,} of {status.data_windows_total:,} windows consumed",
         "",
         f"{'site':<14}{'state':<9}{'round':>6}{'lease':>8}{'eval':>9}{'train':>9}"
         f"{'in':>11}{'out':>11}{'ok':>5}{'late':>5}{'rej':>5}{'hash':>6}",

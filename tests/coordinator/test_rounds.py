@@ -19,7 +19,7 @@ N = 1000
 
 def controller(tmp_path: Path | None = None, **overrides: object) -> RoundController:
     cfg = tiny_config(**{"round_timeout_s": 0.2, **overrides})
-    return RoundController(cfg, torch.zeros(N), tmp_path)
+    return RoundController(cfg, torch.zeros(N), [1000] * cfg.data.shards, tmp_path)
 
 
 async def join_all(c: RoundController) -> None:

@@ -29,7 +29,7 @@ def push_messages(
     chunk_elements: int = 1 << 20,
 ) -> list[Any]:
     chunks, _ = encode_chunks(parse_pipeline(codec), delta, chunk_elements)
-    return delta_messages(client.run_id, client.site, round_, codec, chunks, tokens)
+    return delta_messages(client.run_id, client.site, round_, codec, chunks, tokens, client.assigned)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from geodiloco.status import fetch_status, request_shutdown
-from helpers import free_port, spawn_geodiloco, tiny_config
+from helpers import free_port, ledger_problems, spawn_geodiloco, tiny_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -56,6 +56,7 @@ def test_coordinator_killed_mid_run_resumes_from_its_last_commit(tmp_path: Path)
         log = logged_rounds(run_dir)
         assert [r["round"] for r in log] == list(range(rounds))  # contiguous, none lost or repeated
         assert len({r["state_hash"] for r in log}) == rounds
+        assert ledger_problems(log, cfg) == []
         assert "resumed run test-run at round" in (tmp_path / "coordinator-2.log").read_text()
         status = fetch_status(target)
         assert status.finished and status.round == rounds

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from geodiloco.status import fetch_status, request_shutdown
-from helpers import spawn_geodiloco, start_coordinator_process, tiny_config
+from helpers import ledger_problems, spawn_geodiloco, start_coordinator_process, tiny_config
 
 pytestmark = pytest.mark.integration
 
@@ -42,6 +42,9 @@ def test_two_sites_stay_bit_identical_every_round(tmp_path: Path) -> None:
             assert site.bytes_in > 0 and site.bytes_out > 0
         logged = [json.loads(line) for line in (tmp_path / "coord" / "rounds.jsonl").read_text().splitlines()]
         assert [r["state_hash"] for r in logged] == [h.state_hash for h in status.history]
+        assert ledger_problems(logged, cfg) == []
+        windows = cfg.rounds * 2 * cfg.inner.steps_per_round * 2 * cfg.data.batch_size
+        assert status.data_windows_consumed == windows
         request_shutdown(target)
         assert coordinator.wait(timeout=30) == 0
     finally:

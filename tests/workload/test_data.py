@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from geodiloco.workload import ShardReader, eval_slice, eval_windows, load_corpus
+from geodiloco.workload import DataRange, DataShards, eval_slice, eval_windows, load_corpus, rank_batch
 
 
 def test_stdlib_corpus_is_deterministic_and_split() -> None:
@@ -17,22 +17,31 @@ def test_stdlib_corpus_is_deterministic_and_split() -> None:
     assert probe not in bytes(a.train.tolist())
 
 
-def test_site_shards_are_disjoint_and_cover_the_training_text() -> None:
+def test_data_shards_tile_the_training_text_and_name_the_same_windows_everywhere() -> None:
     corpus = load_corpus([], 200_000, 0.05)
-    readers = [ShardReader(corpus, shard_index=i, shard_count=3, seq_len=16, seed=1) for i in range(3)]
-    assert sum(r.tokens.numel() for r in readers) == corpus.train.numel()
-    assert torch.equal(torch.cat([r.tokens for r in readers]), corpus.train)
+    a = DataShards(corpus, count=6, seq_len=16, seed=1)
+    b = DataShards(corpus, count=6, seq_len=16, seed=1)
+    assert len(a.sizes) == 6 and sum(a.sizes) * 16 <= corpus.train.numel()
+    ranges = [DataRange(2, 5, 9), DataRange(4, 0, 3)]
+    assert torch.equal(a.windows(ranges), b.windows(ranges))
+    w = a.windows(ranges)
+    assert w.shape == (7, 17)
+    # every window of a shard comes from inside that shard's bytes
+    lo, hi = a.starts[2], a.starts[3]
+    whole = bytes(corpus.train[lo:hi].tolist())
+    assert all(bytes(row.tolist()) in whole for row in w[:4])
+    assert sorted(a.orders[0].tolist()) == list(range(a.sizes[0]))  # each window once per pass
 
 
-def test_ranks_read_different_windows_and_targets_are_shifted() -> None:
+def test_ranks_read_different_batches_and_targets_are_shifted() -> None:
     corpus = load_corpus([], 200_000, 0.05)
-    reader = ShardReader(corpus, shard_index=0, shard_count=1, seq_len=16, seed=1)
-    x0, y0 = reader.batch(0, 2, 4)
-    reader.position = 0
-    x1, _ = reader.batch(1, 2, 4)
-    assert not torch.equal(x0, x1)
+    windows = DataShards(corpus, count=2, seq_len=16, seed=1).windows([DataRange(0, 0, 16)])
+    x0, y0 = rank_batch(windows, 0, 0, 2, 4)
+    x1, _ = rank_batch(windows, 0, 1, 2, 4)
+    x2, _ = rank_batch(windows, 1, 0, 2, 4)
+    assert not torch.equal(x0, x1) and not torch.equal(x0, x2)
     assert torch.equal(x0[:, 1:], y0[:, :-1])
-    assert reader.position == 8
+    assert torch.equal(torch.cat([x0, x1, x2]), windows[:12, :-1])
 
 
 def test_user_text_files(tmp_path: Path) -> None:

@@ -167,6 +167,8 @@ class StatusResponse(_message.Message):
     UPTIME_S_FIELD_NUMBER: _builtins.int
     PHASE_FIELD_NUMBER: _builtins.int
     NUM_PARAMS_FIELD_NUMBER: _builtins.int
+    DATA_WINDOWS_CONSUMED_FIELD_NUMBER: _builtins.int
+    DATA_WINDOWS_TOTAL_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     round: _builtins.int
     rounds_total: _builtins.int
@@ -177,6 +179,10 @@ class StatusResponse(_message.Message):
     phase: _builtins.str
     """waiting_for_sites, training, waiting_for_quorum, finished"""
     num_params: _builtins.int
+    data_windows_consumed: _builtins.int
+    """data ledger: windows trained on in committed rounds"""
+    data_windows_total: _builtins.int
+    """(current pass over each shard)"""
     @_builtins.property
     def sites(self) -> _containers.RepeatedCompositeFieldContainer[Global___SiteStatus]: ...
     @_builtins.property
@@ -195,10 +201,12 @@ class StatusResponse(_message.Message):
         uptime_s: _builtins.float = ...,
         phase: _builtins.str = ...,
         num_params: _builtins.int = ...,
+        data_windows_consumed: _builtins.int = ...,
+        data_windows_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "history", b"history", "num_params", b"num_params", "phase", b"phase", "round", b"round", "rounds_total", b"rounds_total", "run_id", b"run_id", "sites", b"sites", "uptime_s", b"uptime_s", "wan_bytes_in", b"wan_bytes_in", "wan_bytes_out", b"wan_bytes_out"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_windows_consumed", b"data_windows_consumed", "data_windows_total", b"data_windows_total", "finished", b"finished", "history", b"history", "num_params", b"num_params", "phase", b"phase", "round", b"round", "rounds_total", b"rounds_total", "run_id", b"run_id", "sites", b"sites", "uptime_s", b"uptime_s", "wan_bytes_in", b"wan_bytes_in", "wan_bytes_out", b"wan_bytes_out"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

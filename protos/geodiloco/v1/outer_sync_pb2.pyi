@@ -9,8 +9,10 @@ model's canonical flat parameter vector (parameters in sorted-name order), so a 
 decoded on arrival and the layout does not depend on any site's parallel mesh.
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
@@ -70,6 +72,36 @@ class ChunkHeader(_message.Message):
 Global___ChunkHeader: _TypeAlias = ChunkHeader  # noqa: Y015
 
 @_typing.final
+class DataRange(_message.Message):
+    """Windows [start, end) of one data shard, in pass `epoch` over it (see the data ledger)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    shard: _builtins.int
+    start: _builtins.int
+    end: _builtins.int
+    epoch: _builtins.int
+    def __init__(
+        self,
+        *,
+        shard: _builtins.int = ...,
+        start: _builtins.int = ...,
+        end: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "epoch", b"epoch", "shard", b"shard", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DataRange: _TypeAlias = DataRange  # noqa: Y015
+
+@_typing.final
 class JoinRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -117,6 +149,7 @@ class JoinResponse(_message.Message):
     NUM_PARAMS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     run_config_json: _builtins.str
     """the run's configuration, authoritative for every site"""
@@ -129,6 +162,10 @@ class JoinResponse(_message.Message):
     num_params: _builtins.int
     heartbeat_interval_s: _builtins.float
     finished: _builtins.bool
+    @_builtins.property
+    def data(self) -> _containers.RepeatedCompositeFieldContainer[Global___DataRange]:
+        """what to train on in `round`"""
+
     def __init__(
         self,
         *,
@@ -141,10 +178,11 @@ class JoinResponse(_message.Message):
         num_params: _builtins.int = ...,
         heartbeat_interval_s: _builtins.float = ...,
         finished: _builtins.bool = ...,
+        data: _abc.Iterable[Global___DataRange] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "heartbeat_interval_s", b"heartbeat_interval_s", "num_params", b"num_params", "round", b"round", "run_config_json", b"run_config_json", "run_id", b"run_id", "shard_count", b"shard_count", "shard_index", b"shard_index", "state_hash", b"state_hash"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "finished", b"finished", "heartbeat_interval_s", b"heartbeat_interval_s", "num_params", b"num_params", "round", b"round", "run_config_json", b"run_config_json", "run_id", b"run_id", "shard_count", b"shard_count", "shard_index", b"shard_index", "state_hash", b"state_hash"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -212,6 +250,7 @@ class DeltaChunk(_message.Message):
     PAYLOAD_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
     TOTAL_CHUNKS_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
     payload: _builtins.bytes
     tokens: _builtins.int
     """tokens the site trained on this round (same on every chunk)"""
@@ -219,6 +258,10 @@ class DeltaChunk(_message.Message):
     """chunks in this push (same on every chunk)"""
     @_builtins.property
     def header(self) -> Global___ChunkHeader: ...
+    @_builtins.property
+    def data(self) -> _containers.RepeatedCompositeFieldContainer[Global___DataRange]:
+        """what this contribution trained on (first chunk)"""
+
     def __init__(
         self,
         *,
@@ -226,10 +269,11 @@ class DeltaChunk(_message.Message):
         payload: _builtins.bytes = ...,
         tokens: _builtins.int = ...,
         total_chunks: _builtins.int = ...,
+        data: _abc.Iterable[Global___DataRange] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "payload", b"payload", "tokens", b"tokens", "total_chunks", b"total_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "payload", b"payload", "tokens", b"tokens", "total_chunks", b"total_chunks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -322,6 +366,7 @@ class UpdateChunk(_message.Message):
     TOTAL_CHUNKS_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
     payload: _builtins.bytes
     next_round: _builtins.int
     """round the receiver trains next after applying this stream"""
@@ -333,6 +378,10 @@ class UpdateChunk(_message.Message):
     kind: Global___PullRequest.Kind.ValueType
     @_builtins.property
     def header(self) -> Global___ChunkHeader: ...
+    @_builtins.property
+    def data(self) -> _containers.RepeatedCompositeFieldContainer[Global___DataRange]:
+        """the receiver's data for `next_round` (last chunk)"""
+
     def __init__(
         self,
         *,
@@ -343,10 +392,11 @@ class UpdateChunk(_message.Message):
         total_chunks: _builtins.int = ...,
         finished: _builtins.bool = ...,
         kind: Global___PullRequest.Kind.ValueType = ...,
+        data: _abc.Iterable[Global___DataRange] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "header", b"header", "kind", b"kind", "next_round", b"next_round", "payload", b"payload", "state_hash", b"state_hash", "total_chunks", b"total_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "finished", b"finished", "header", b"header", "kind", b"kind", "next_round", b"next_round", "payload", b"payload", "state_hash", b"state_hash", "total_chunks", b"total_chunks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,14 +1,23 @@
 """The reference workload: a byte-level GPT on the standard library's sources."""
 
-from geodiloco.workload.data import Corpus, ShardReader, eval_slice, eval_windows, load_corpus
+from geodiloco.workload.data import (
+    Corpus,
+    DataRange,
+    DataShards,
+    eval_slice,
+    eval_windows,
+    load_corpus,
+    rank_batch,
+)
 from geodiloco.workload.model import ByteGPT, GPTConfig, build_model
 from geodiloco.workload.steps import evaluate, inner_step, make_inner_optimizer
 
 __all__ = [
     "ByteGPT",
     "Corpus",
+    "DataRange",
+    "DataShards",
     "GPTConfig",
-    "ShardReader",
     "build_model",
     "eval_slice",
     "eval_windows",
@@ -16,4 +25,5 @@ __all__ = [
     "inner_step",
     "load_corpus",
     "make_inner_optimizer",
+    "rank_batch",
 ]

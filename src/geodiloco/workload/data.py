@@ -2,14 +2,16 @@
 
 Present wherever Python is, so nothing is downloaded. Files are split into a training part
 and a held-out evaluation part (whole files, so no text leaks across), the training bytes are
-cut into disjoint contiguous shards, one per site, and each shard is read as a seeded
-permutation of fixed-length windows.
+cut into many disjoint contiguous shards, and each shard is read as a seeded
+permutation of fixed-length windows; the coordinator's data ledger says which windows each
+site trains on in each round.
 """
 
 from __future__ import annotations
 
 import hashlib
 import sysconfig
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,20 @@ def _stable_key(path: Path, root: Path | None) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class DataRange:
+    """Windows ``[start, end)`` of shard ``shard`` in pass ``epoch`` over that shard."""
+
+    shard: int
+    start: int
+    end: int
+    epoch: int = 0
+
+    @property
+    def windows(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
 class Corpus:
     train: torch.Tensor  # uint8
     eval: torch.Tensor  # uint8
@@ -67,40 +83,42 @@ def load_corpus(paths: list[str], max_bytes: int, eval_fraction: float) -> Corpu
     return Corpus(train=as_tensor(train), eval=as_tensor(held_out))
 
 
-class ShardReader:
-    """Batches for one rank from one site's shard: a seeded permutation of windows.
+class DataShards:
+    """The training text cut into ``count`` contiguous shards of fixed-length windows.
 
-    The reader's position is a count of windows consumed, so it can be saved and resumed.
+    Each shard is read in its own seeded order; the data ledger hands out ranges of positions
+    in that order, so "windows 40-80 of shard 3" names the same text on every machine.
     """
 
-    def __init__(
-        self,
-        corpus: Corpus,
-        *,
-        shard_index: int,
-        shard_count: int,
-        seq_len: int,
-        seed: int,
-    ) -> None:
+    def __init__(self, corpus: Corpus, *, count: int, seq_len: int, seed: int) -> None:
         n = corpus.train.numel()
-        lo, hi = n * shard_index // shard_count, n * (shard_index + 1) // shard_count
-        self.tokens = corpus.train[lo:hi]
+        self.tokens = corpus.train
         self.seq_len = seq_len
-        n_windows = (self.tokens.numel() - 1) // seq_len
-        if n_windows < 1:
-            raise ValueError(f"data: shard {shard_index} is too small for seq_len {seq_len}")
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + shard_index)
-        self.order = torch.randperm(n_windows, generator=gen)
-        self.position = 0
+        self.starts = [n * i // count for i in range(count)]
+        self.sizes = [(n * (i + 1) // count - self.starts[i] - 1) // seq_len for i in range(count)]
+        if min(self.sizes) < 1:
+            raise ValueError(f"data: {count} shards leave some shard shorter than one sequence")
+        self.orders = [
+            torch.randperm(size, generator=torch.Generator().manual_seed(seed * 1_000_003 + i))
+            for i, size in enumerate(self.sizes)
+        ]
 
-    def batch(self, rank: int, world: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next batch for ``rank`` of ``world`` ranks; all ranks advance together."""
-        base = self.position + rank * batch_size
-        idx = self.order[torch.arange(base, base + batch_size) % self.order.numel()]
-        self.position += world * batch_size
-        offsets = idx[:, None] * self.seq_len + torch.arange(self.seq_len + 1)
-        window = self.tokens[offsets].long()
-        return window[:, :-1], window[:, 1:]
+    def windows(self, ranges: Iterable[DataRange]) -> torch.Tensor:
+        """The windows (seq_len + 1 bytes each) that ``ranges`` name, in order."""
+        offsets = [
+            self.starts[r.shard] + self.orders[r.shard][r.start : r.end] * self.seq_len for r in ranges
+        ]
+        starts = torch.cat(offsets) if offsets else torch.empty(0, dtype=torch.long)
+        return self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)].long()
+
+
+def rank_batch(
+    windows: torch.Tensor, step: int, rank: int, world: int, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets for ``rank`` at ``step`` of a round whose windows are ``windows``."""
+    first = (step * world + rank) * batch_size
+    batch = windows[first : first + batch_size]
+    return batch[:, :-1], batch[:, 1:]
 
 
 def eval_windows(corpus: Corpus, count: int, seq_len: int) -> torch.Tensor:

@@ -1,0 +1,143 @@
+"""The data ledger: which window ranges of which data shard each site trains on, per round.
+
+The training text is cut into many shards, each a sequence of windows. Every site owns some
+shards and consumes them front to back. For each round the coordinator *reserves* the next
+windows for every live site; when the round commits, the reservations of the sites whose
+contribution was accepted become *consumed*, and the others are released (the cursor stays,
+so the same windows are handed out again). A lost site's shards go back to the pool, from which
+any site that runs short takes the next one. So across committed rounds every window is trained
+on exactly once per epoch, whatever sites die, stall or come back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from geodiloco.workload.data import DataRange
+
+
+@dataclass(slots=True)
+class ShardState:
+    size: int  # windows
+    consumed: int = 0  # committed cursor within the current epoch
+    epoch: int = 0
+    owner: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumedRecord:
+    round: int
+    site: str
+    range: DataRange
+
+
+@dataclass(slots=True)
+class DataLedger:
+    shards: list[ShardState]
+    reservations: dict[str, list[DataRange]] = field(default_factory=dict)
+    consumed: list[ConsumedRecord] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, shard_sizes: list[int], sites: list[str]) -> DataLedger:
+        """Shard i starts owned by site i mod S."""
+        if not shard_sizes or min(shard_sizes) <= 0:
+            raise ValueError("every data shard needs at least one window")
+        shards = [ShardState(size, owner=sites[i % len(sites)]) for i, size in enumerate(shard_sizes)]
+        return cls(shards)
+
+    def reservation(self, site: str) -> list[DataRange] | None:
+        return self.reservations.get(site)
+
+    def reserve(self, site: str, windows: int) -> list[DataRange]:
+        """The site's windows for its next round (the same answer until the round is settled)."""
+        if site in self.reservations:
+            return self.reservations[site]
+        ranges: list[DataRange] = []
+        while windows > 0:
+            index = self._next_shard(site, exclude={r.shard for r in ranges})
+            shard = self.shards[index]
+            take = min(windows, shard.size - shard.consumed)
+            ranges.append(DataRange(index, shard.consumed, shard.consumed + take, shard.epoch))
+            windows -= take
+            if shard.consumed + take == shard.size:
+                shard.owner = None  # fully reserved: the next round continues elsewhere
+        self.reservations[site] = ranges
+        return ranges
+
+    def _next_shard(self, site: str, exclude: set[int]) -> int:
+        """A shard the site owns with windows left, else one from the pool (a new epoch if all are used)."""
+        reserved = exclude | {r.shard for ranges in self.reservations.values() for r in ranges}
+        for want_owner in (site, None):
+            for i, shard in enumerate(self.shards):
+                if shard.owner == want_owner and shard.consumed < shard.size and i not in reserved:
+                    shard.owner = site
+                    return i
+        # every shard is used up (or reserved): start the next pass over the least-recent one
+        candidates = [i for i, s in enumerate(self.shards) if s.consumed == s.size and i not in reserved]
+        if not candidates:
+            raise RuntimeError("no data shard is free: more sites than shards")
+        index = min(candidates, key=lambda i: (self.shards[i].epoch, i))
+        shard = self.shards[index]
+        shard.consumed, shard.epoch, shard.owner = 0, shard.epoch + 1, site
+        return index
+
+    def settle(self, round_: int, contributors: set[str]) -> None:
+        """At commit: contributors' reservations become consumed, the others are released."""
+        for site, ranges in self.reservations.items():
+            if site not in contributors:
+                for r in ranges:
+                    shard = self.shards[r.shard]
+                    if shard.owner is None and shard.consumed == r.start and shard.epoch == r.epoch:
+                        shard.owner = site  # its shard was handed off as full; take it back
+                continue
+            for r in ranges:
+                shard = self.shards[r.shard]
+                shard.consumed = r.end
+                self.consumed.append(ConsumedRecord(round_, site, r))
+        self.reservations.clear()
+
+    def release_site(self, site: str) -> None:
+        """A lost or departed site: its reservation is dropped and its shards return to the pool."""
+        self.reservations.pop(site, None)
+        for shard in self.shards:
+            if shard.owner == site:
+                shard.owner = None
+
+    def progress(self) -> tuple[int, int]:
+        """(windows consumed in the current epochs, windows in all shards)."""
+        return sum(s.consumed for s in self.shards), sum(s.size for s in self.shards)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "shards": [asdict(s) for s in self.shards],
+            "reservations": {k: [asdict(r) for r in v] for k, v in self.reservations.items()},
+            "consumed": [[c.round, c.site, asdict(c.range)] for c in self.consumed],
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> DataLedger:
+        return cls(
+            shards=[ShardState(**s) for s in state["shards"]],
+            reservations={k: [DataRange(**r) for r in v] for k, v in state["reservations"].items()},
+            consumed=[ConsumedRecord(r, s, DataRange(**d)) for r, s, d in state["consumed"]],
+        )
+
+
+def check_exactly_once(records: list[ConsumedRecord], shard_sizes: list[int]) -> list[str]:
+    """Problems in a consumption log: overlaps within an epoch, or gaps before a shard's cursor."""
+    problems: list[str] = []
+    by_shard: dict[tuple[int, int], list[DataRange]] = {}
+    for record in records:
+        by_shard.setdefault((record.range.shard, record.range.epoch), []).append(record.range)
+    for (shard, epoch), ranges in sorted(by_shard.items()):
+        cursor = 0
+        for r in sorted(ranges, key=lambda r: r.start):
+            if r.start < cursor:
+                problems.append(f"shard {shard} epoch {epoch}: windows {r.start}-{cursor} consumed twice")
+            elif r.start > cursor:
+                problems.append(f"shard {shard} epoch {epoch}: windows {cursor}-{r.start} skipped")
+            cursor = max(cursor, r.end)
+        if cursor > shard_sizes[shard]:
+            problems.append(f"shard {shard} epoch {epoch}: consumed past its end")
+    return problems
