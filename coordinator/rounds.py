@@ -114,6 +114,7 @@ class RoundController:
         self.updates: dict[int, CommittedUpdate] = {}
         self.history: list[RoundRecord] = []
         self.hashes: dict[int, str] = {0: state_hash(self.theta)}
+        self.theta_norm = float(self.theta.norm())
         self.round_opened = time.monotonic()
         self.started = time.monotonic()
         self.unattributed_bytes = 0
@@ -190,10 +191,12 @@ class RoundController:
         """Add one site's decoded pseudo-gradient. Returns False for an idempotent duplicate."""
         if tokens <= 0:
             raise InvalidArgument("tokens must be > 0")
-        if delta.shape != (self.num_params,):
+        if delta.shape != (self.num_params,) or delta.dtype != torch.float32:
             raise InvalidArgument(
-                f"pseudo-gradient has shape {tuple(delta.shape)}, expected ({self.num_params},)"
+                f"pseudo-gradient has shape {tuple(delta.shape)} and dtype {delta.dtype}, "
+                f"expected ({self.num_params},) float32"
             )
+        self._check_values(delta)
         async with self._commit_lock:
             if self.check_push(name, run_id, round_):
                 return False
@@ -204,6 +207,18 @@ class RoundController:
             log.info("round %d: accepted %s (%d tokens)", round_, name, tokens)
         await self._maybe_close()
         return True
+
+    def _check_values(self, delta: torch.Tensor) -> None:
+        """Refuse NaN/Inf and norms no honest site produces (a poisoning or a broken site)."""
+        if not bool(torch.isfinite(delta).all()):
+            raise InvalidArgument("pseudo-gradient contains NaN or Inf")
+        ratio = self.cfg.limits.max_delta_norm_ratio
+        norm = float(delta.norm())
+        if ratio and norm > ratio * self.theta_norm:
+            raise InvalidArgument(
+                f"pseudo-gradient norm {norm:.4g} exceeds limits.max_delta_norm_ratio {ratio} "
+                f"x the parameter norm {self.theta_norm:.4g}"
+            )
 
     def record_rejection(self, name: str) -> None:
         if name in self.sites:
@@ -228,6 +243,7 @@ class RoundController:
         started = time.monotonic()
         chunks, decoded = await asyncio.to_thread(self._compute_update, mean.mean())
         self.theta.add_(decoded)
+        self.theta_norm = float(self.theta.norm())
         digest = state_hash(self.theta)
         self.updates[r] = CommittedUpdate(r, self.downlink.spec, chunks, digest)
         self.updates.pop(r - KEEP_UPDATES, None)

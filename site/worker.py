@@ -10,12 +10,15 @@ import datetime
 import logging
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from geodiloco.logs import setup_logging
+from geodiloco.security.secrets import load_secret
+from geodiloco.security.tls import TlsFiles
 from geodiloco.site.outer_sync import OuterSync
 from geodiloco.workload import (
     ShardReader,
@@ -37,10 +40,10 @@ def init_distributed(timeout_s: float) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def train(coordinator: str, site: str) -> None:
+def train(coordinator: str, site: str, tls: TlsFiles | None, site_secret: bytes | None) -> None:
     rank, world = init_distributed(timeout_s=3600)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    sync = OuterSync.connect(coordinator, site, world_size=world)
+    sync = OuterSync.connect(coordinator, site, world_size=world, tls=tls, site_secret=site_secret)
     cfg = sync.config
     model = sync.attach(build_model(cfg.model, cfg.seed))
     ddp = DDP(model)
@@ -90,9 +93,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one rank of a geodiloco site (run by torchrun)")
     parser.add_argument("--coordinator", required=True)
     parser.add_argument("--site", required=True)
+    parser.add_argument("--tls", nargs=3, type=Path, metavar=("CERT", "KEY", "CA"))
+    parser.add_argument("--secret", type=Path)
     args = parser.parse_args(argv)
-    setup_logging(site=args.site, rank=int(os.environ.get("RANK", "0")))
-    train(args.coordinator, args.site)
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(site=args.site, rank=rank)
+    tls = TlsFiles(*args.tls) if args.tls and rank == 0 else None
+    secret = load_secret(args.secret) if args.secret and rank == 0 else None  # only rank 0 talks
+    train(args.coordinator, args.site, tls, secret)
 
 
 if __name__ == "__main__":

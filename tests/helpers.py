@@ -13,6 +13,7 @@ import torch
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.coordinator.server import RunningServer, initial_parameters, run_until_stopped, start_server
+from geodiloco.security.policy import ServerSecurity
 
 T = TypeVar("T")
 
@@ -40,11 +41,20 @@ def tiny_config(**overrides: Any) -> RunConfig:
     return RunConfig.from_dict(data)
 
 
-class CoordinatorThread:
-    """A real grpc.aio coordinator server running in a background thread's event loop."""
+PLAINTEXT = ServerSecurity(tls=None, keyring=None)
 
-    def __init__(self, cfg: RunConfig, initial: torch.Tensor | None = None) -> None:
+
+class CoordinatorThread:
+    """A real grpc.aio coordinator server running in a background thread's event loop.
+
+    Plaintext on loopback unless ``security`` says otherwise (the security suite uses mTLS).
+    """
+
+    def __init__(
+        self, cfg: RunConfig, initial: torch.Tensor | None = None, security: ServerSecurity = PLAINTEXT
+    ) -> None:
         self.cfg = cfg
+        self.security = security
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._initial = initial if initial is not None else initial_parameters(cfg)
@@ -59,7 +69,7 @@ class CoordinatorThread:
 
         async def run() -> None:
             controller = RoundController(self.cfg, self._initial)
-            self.running = await start_server(controller, "127.0.0.1", 0, grace_s=0.5)
+            self.running = await start_server(controller, "127.0.0.1", 0, security=self.security, grace_s=0.5)
             self._ready.set()
             await run_until_stopped(self.running)
 

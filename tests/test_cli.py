@@ -44,6 +44,6 @@ def test_bad_flag_value_names_the_flag() -> None:
 
 
 def test_status_without_a_coordinator_is_a_clear_message() -> None:
-    result = geodiloco("status", "--coordinator", "127.0.0.1:1")
+    result = geodiloco("status", "--coordinator", "127.0.0.1:1", "--insecure")
     assert result.returncode == 2
     assert "cannot reach 127.0.0.1:1" in result.stderr

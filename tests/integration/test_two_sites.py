@@ -45,6 +45,7 @@ def test_two_sites_stay_bit_identical_every_round(tmp_path: Path) -> None:
             str(tmp_path / "port"),
             "--run-dir",
             str(tmp_path / "coord"),
+            "--insecure",
         ],
         tmp_path / "coordinator.log",
     )
@@ -53,14 +54,14 @@ def test_two_sites_stay_bit_identical_every_round(tmp_path: Path) -> None:
         target = f"127.0.0.1:{wait_for(tmp_path / 'port')}"
         sites = [
             spawn(
-                ["site", "run", "--name", name, "--coordinator", target, "--nproc", "2"],
+                ["site", "run", "--name", name, "--coordinator", target, "--nproc", "2", "--insecure"],
                 tmp_path / f"{name}.log",
             )
             for name in cfg.sites
         ]
         for name, proc in zip(cfg.sites, sites, strict=True):
             assert proc.wait(timeout=240) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
-        status = fetch_status(target)
+        status = fetch_status(target, None)
         assert status.finished and status.round == 4
         assert [h.round for h in status.history] == [0, 1, 2, 3]
         for record in status.history:
@@ -75,7 +76,7 @@ def test_two_sites_stay_bit_identical_every_round(tmp_path: Path) -> None:
             assert site.bytes_in > 0 and site.bytes_out > 0
         logged = [json.loads(line) for line in (tmp_path / "coord" / "rounds.jsonl").read_text().splitlines()]
         assert [r["state_hash"] for r in logged] == [h.state_hash for h in status.history]
-        request_shutdown(target)
+        request_shutdown(target, None)
         assert coordinator.wait(timeout=30) == 0
     finally:
         for proc in (*sites, coordinator):
