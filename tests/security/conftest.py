@@ -73,14 +73,14 @@ def hostile_config(**overrides: Any) -> Any:
         "joins_per_minute": 5,
         "max_delta_norm_ratio": 1.0,
     }
-    return tiny_config(
-        sites=SITES,
-        rounds=3,
-        compression__uplink="fp32",
-        compression__chunk_elements=4096,
+    settings: dict[str, Any] = {
+        "sites": SITES,
+        "rounds": 3,
+        "compression__uplink": "fp32",
+        "compression__chunk_elements": 4096,
         **{f"limits__{k}": v for k, v in limits.items()},
-        **overrides,
-    )
+    }
+    return tiny_config(**{**settings, **overrides})
 
 
 def secure_coordinator(pki: Pki, cfg: Any) -> CoordinatorThread:
