@@ -30,6 +30,18 @@ class ContributionMissing(CoordinatorError):
 
 
 class PermissionDenied(CoordinatorError):
-    """A site that is not part of the run."""
+    """A site that is not part of the run, or a peer whose certificate does not allow the call."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class ResourceExhausted(CoordinatorError):
+    """Too many requests from one peer (a flood of joins)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceeded(CoordinatorError):
+    """A stream that stopped sending, or a wait the coordinator will not extend."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED

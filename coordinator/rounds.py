@@ -130,6 +130,7 @@ class RoundController:
         self.updates: dict[int, CommittedUpdate] = {}
         self.history: list[RoundRecord] = []
         self.hashes: dict[int, str] = {0: state_hash(self.theta)}
+        self.theta_norm = float(self.theta.norm())
         self.round_opened = time.monotonic()
         self.started = time.monotonic()
         self.unattributed_bytes = 0
@@ -242,10 +243,12 @@ class RoundController:
         ``data`` is what it trained on; None (tests, tools) means what the ledger reserved."""
         if tokens <= 0:
             raise InvalidArgument("tokens must be > 0")
-        if delta.shape != (self.num_params,):
+        if delta.shape != (self.num_params,) or delta.dtype != torch.float32:
             raise InvalidArgument(
-                f"pseudo-gradient has shape {tuple(delta.shape)}, expected ({self.num_params},)"
+                f"pseudo-gradient has shape {tuple(delta.shape)} and dtype {delta.dtype}, "
+                f"expected ({self.num_params},) float32"
             )
+        self._check_values(delta)
         async with self._commit_lock:
             if self.check_push(name, run_id, round_):
                 return False
@@ -257,6 +260,18 @@ class RoundController:
             log.info("round %d: accepted %s (%d tokens)", round_, name, tokens)
         await self._maybe_close()
         return True
+
+    def _check_values(self, delta: torch.Tensor) -> None:
+        """Refuse NaN/Inf and norms no honest site produces (a poisoning or a broken site)."""
+        if not bool(torch.isfinite(delta).all()):
+            raise InvalidArgument("pseudo-gradient contains NaN or Inf")
+        ratio = self.cfg.limits.max_delta_norm_ratio
+        norm = float(delta.norm())
+        if ratio and norm > ratio * self.theta_norm:
+            raise InvalidArgument(
+                f"pseudo-gradient norm {norm:.4g} exceeds limits.max_delta_norm_ratio {ratio} "
+                f"x the parameter norm {self.theta_norm:.4g}"
+            )
 
     def record_rejection(self, name: str, reason: Exception) -> None:
         """Count a refused push: late (its round had closed) or rejected (anything else)."""
@@ -289,6 +304,7 @@ class RoundController:
         started = time.monotonic()
         chunks, decoded = await asyncio.to_thread(self._compute_update, mean.mean())
         self.theta.add_(decoded)
+        self.theta_norm = float(self.theta.norm())
         digest = state_hash(self.theta)
         self.updates[r] = CommittedUpdate(r, self.downlink.spec, chunks, digest)
         self.updates.pop(r - KEEP_UPDATES, None)
@@ -390,6 +406,7 @@ class RoundController:
         if theta.numel() != self.num_params:
             raise ValueError(f"the saved state has {theta.numel()} parameters, the model {self.num_params}")
         self.theta = theta.clone()
+        self.theta_norm = float(self.theta.norm())
         self.round = int(state["round"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.downlink_feedback.residual.copy_(state["downlink_residual"])

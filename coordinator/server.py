@@ -18,17 +18,18 @@ from geodiloco.config import RunConfig
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.coordinator.service import AdminServicer, OuterSyncServicer
 from geodiloco.params import flatten_parameters
-from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
+from geodiloco.security.policy import ServerSecurity, is_loopback
+from geodiloco.security.sealing import Keyring
+from geodiloco.security.secrets import load_secret
+from geodiloco.security.tls import TlsFiles
+from geodiloco.security.wire import strict_service
+from geodiloco.v1 import admin_pb2, outer_sync_pb2
 from geodiloco.workload.data import DataShards, load_corpus
 from geodiloco.workload.model import build_model
 
 log = logging.getLogger("geodiloco.coordinator")
 
-MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 SERVER_OPTIONS = [
-    # Chunks are a few MiB; anything much larger is refused by gRPC before it reaches us.
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # Pulls wait for a round to commit (minutes): keepalive pings keep idle WAN NATs and
     # proxies from dropping the stream, and let either side notice a dead peer.
     ("grpc.keepalive_time_ms", 30_000),
@@ -39,21 +40,45 @@ SERVER_OPTIONS = [
     # Without this, a second coordinator started on the same port would silently share it.
     ("grpc.so_reuseport", 0),
 ]
-SERVICE_NAMES = (
-    outer_sync_pb2.DESCRIPTOR.services_by_name["OuterSync"].full_name,
-    admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
-)
+OUTER_SYNC = outer_sync_pb2.DESCRIPTOR.services_by_name["OuterSync"]
+ADMIN = admin_pb2.DESCRIPTOR.services_by_name["Admin"]
+SERVICE_NAMES = (OUTER_SYNC.full_name, ADMIN.full_name)
 TICK_S = 0.5
 
 
 @dataclass(kw_only=True, slots=True)
 class ServeOptions:
+    """How the coordinator listens. mTLS and a run secret are required unless ``insecure``."""
+
     host: str = "127.0.0.1"
     port: int = 50051
     run_dir: Path | None = None
     port_file: Path | None = None
     exit_when_finished: bool = False
     grace_s: float = 5.0
+    tls: TlsFiles | None = None
+    run_secret: Path | None = None
+    insecure: bool = False
+
+    def __post_init__(self) -> None:
+        if self.insecure:
+            if not is_loopback(self.host):
+                raise ValueError(
+                    f"insecure: plaintext is refused on {self.host!r}; bind 127.0.0.1 or ::1, or use mTLS"
+                )
+            if self.tls is not None:
+                raise ValueError("insecure: drop the TLS files or the --insecure flag, not both")
+            return
+        if self.tls is None:
+            raise ValueError("tls: the coordinator needs --tls-cert, --tls-key and --tls-ca (or --insecure)")
+        if self.run_secret is None:
+            raise ValueError(
+                "run_secret: the coordinator needs --run-secret to seal payloads (or --insecure)"
+            )
+
+    def security(self, run_id: str) -> ServerSecurity:
+        keyring = Keyring(load_secret(self.run_secret), run_id) if self.run_secret else None
+        return ServerSecurity(tls=self.tls, keyring=keyring)
 
 
 def data_shard_sizes(cfg: RunConfig) -> list[int]:
@@ -93,20 +118,28 @@ class RunningServer:
 
 
 async def start_server(
-    controller: RoundController, host: str, port: int, grace_s: float = 5.0
+    controller: RoundController, host: str, port: int, *, security: ServerSecurity, grace_s: float = 5.0
 ) -> RunningServer:
     """Build and start the grpc.aio server with OuterSync, Admin, health and reflection."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    limit = controller.cfg.limits.max_message_bytes
+    # A message over the limit is refused by gRPC (RESOURCE_EXHAUSTED) before it is buffered.
+    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    server = grpc.aio.server(options=[*options, *SERVER_OPTIONS])
     running = RunningServer(server, health_aio.HealthServicer(), controller, 0, asyncio.Event(), grace_s)
-    outer_sync_pb2_grpc.add_OuterSyncServicer_to_server(OuterSyncServicer(controller), server)
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(controller, running.request_stop), server)
+    admin = AdminServicer(controller, running.request_stop, security)
+    server.add_generic_rpc_handlers(
+        (
+            strict_service(OUTER_SYNC, OuterSyncServicer(controller, security)),
+            strict_service(ADMIN, admin),
+        )
+    )
     health_pb2_grpc.add_HealthServicer_to_server(running.health, server)
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
     try:
-        running.port = server.add_insecure_port(f"{host}:{port}")
+        running.port = security.port(server, f"{host}:{port}")
     except RuntimeError:
         running.port = 0
     if not running.port:
@@ -135,12 +168,15 @@ async def run_until_stopped(running: RunningServer, exit_when_finished: bool = F
 async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
     """The `geodiloco coordinator serve` process: serve until SIGINT/SIGTERM or Shutdown."""
     controller = RoundController(cfg, initial_parameters(cfg), data_shard_sizes(cfg), opts.run_dir)
-    running = await start_server(controller, opts.host, opts.port, opts.grace_s)
+    security = opts.security(cfg.run_id)
+    running = await start_server(controller, opts.host, opts.port, security=security, grace_s=opts.grace_s)
     log.info(
-        "coordinator for run %s serving on %s:%d (%d parameters, sites: %s)",
+        "coordinator for run %s serving on %s:%d, %s, payloads %s (%d parameters, sites: %s)",
         cfg.run_id,
         opts.host,
         running.port,
+        "mTLS" if security.authenticates else "PLAINTEXT (loopback only)",
+        "sealed" if security.keyring else "NOT sealed",
         controller.num_params,
         ", ".join(cfg.sites),
     )

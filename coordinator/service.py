@@ -1,7 +1,9 @@
 """Thin gRPC servicers: decode, validate the wire, delegate to the round controller.
 
 Every refusal is a gRPC status with a message and one log line; nothing a request carries can
-change the run's state unless the whole request is valid.
+change the run's state unless the whole request is valid. With mTLS, a site acts only as the site
+its certificate names, and chunk payloads are opened (and update payloads sealed) with the
+site's keys (:mod:`geodiloco.security`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,18 @@ from google.protobuf.message import Message
 
 from geodiloco import __version__
 from geodiloco.compression import CodecError
-from geodiloco.coordinator.errors import CoordinatorError, InvalidArgument
+from geodiloco.coordinator.errors import (
+    CoordinatorError,
+    DeadlineExceeded,
+    InvalidArgument,
+    ResourceExhausted,
+)
 from geodiloco.coordinator.rounds import RoundController
+from geodiloco.security.chunks import KeyMismatch, open_delta, seal_update
+from geodiloco.security.policy import Denied, ServerSecurity, is_admin, peer_identity, require_site
+from geodiloco.security.ratelimit import RateLimiter
+from geodiloco.security.sealing import SealError
+from geodiloco.security.wire import MalformedRequest
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
 from geodiloco.wire import ranges_from_proto, ranges_to_proto
 
@@ -31,15 +43,44 @@ def _finite_or_zero(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
 
+REFUSALS = (CoordinatorError, CodecError, SealError, MalformedRequest, Denied)
+
+
+def _status(exc: Exception) -> grpc.StatusCode:
+    if isinstance(exc, CoordinatorError):
+        return exc.code
+    if isinstance(exc, Denied):
+        return grpc.StatusCode.PERMISSION_DENIED
+    if isinstance(exc, KeyMismatch):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.INVALID_ARGUMENT  # corrupt, undecodable or tampered input
+
+
 async def _abort(context: grpc.aio.ServicerContext, rpc: str, site: str, exc: Exception) -> None:
-    code = exc.code if isinstance(exc, CoordinatorError) else grpc.StatusCode.INVALID_ARGUMENT
-    log.warning("[OuterSync.%s] site=%s refused (%s): %s", rpc, site or "?", code.name, exc)
+    code = _status(exc)
+    log.warning(
+        "[OuterSync.%s] site=%s peer=%s refused (%s): %s", rpc, site or "?", context.peer(), code.name, exc
+    )
     await context.abort(code, str(exc))
 
 
+async def _next_chunk(chunks: AsyncIterator[Any], timeout_s: float) -> Any:
+    """The next message of a push, or None at its end; a stalled stream is abandoned."""
+    try:
+        return await asyncio.wait_for(anext(chunks), timeout_s)
+    except StopAsyncIteration:
+        return None
+    except asyncio.TimeoutError:
+        raise DeadlineExceeded(
+            f"no chunk for {timeout_s:.0f}s (limits.chunk_timeout_s); push abandoned"
+        ) from None
+
+
 class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
-    def __init__(self, controller: RoundController) -> None:
+    def __init__(self, controller: RoundController, security: ServerSecurity) -> None:
         self.c = controller
+        self.security = security
+        self.joins = RateLimiter(controller.cfg.limits.joins_per_minute)
 
     def _count(self, site: str, received: Message | None = None, sent: Message | None = None) -> None:
         self.c.count_bytes(
@@ -55,16 +96,29 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         context: grpc.aio.ServicerContext,
         handler: Callable[[], Any],
     ) -> Any:
+        try:
+            require_site(self.security, context, request.site)
+        except Denied as exc:
+            self.c.count_bytes(None, received=request.ByteSize())
+            await _abort(context, rpc, request.site, exc)
         self._count(request.site, received=request)
         try:
             response = await handler()
-        except CoordinatorError as exc:
+        except REFUSALS as exc:
             await _abort(context, rpc, request.site, exc)
         self._count(request.site, sent=response)
         return response
 
+    def _check_join_rate(self, context: grpc.aio.ServicerContext) -> None:
+        identity = peer_identity(context)
+        peer = identity.uri if identity else context.peer().rpartition(":")[0]
+        if not self.joins.allow(peer):
+            limit = self.c.cfg.limits.joins_per_minute
+            raise ResourceExhausted(f"too many joins from this peer (limits.joins_per_minute {limit})")
+
     async def Join(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def handle() -> Any:
+            self._check_join_rate(context)
             record = await self.c.join(request.site, request.run_id, request.world_size)
             if request.version and request.version != __version__:
                 log.warning(
@@ -81,6 +135,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 heartbeat_interval_s=self.c.cfg.heartbeat_interval_s,
                 finished=self.c.finished,
                 data=ranges_to_proto(self.c.data_for(request.site)),
+                key_id=self.security.keyring.site(request.site).key_id if self.security.keyring else 0,
             )
 
         return await self._unary("Join", request, context, handle)
@@ -120,24 +175,27 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
 
     async def PushDelta(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
         site, round_, fragment, payload_bytes = "", 0, 0, 0
+        timeout_s = self.c.cfg.limits.chunk_timeout_s
         try:
             staging: torch.Tensor | None = None
             first: Any = None
             duplicate = False
             covered = index = 0
-            async for chunk in request_iterator:
+            while (chunk := await _next_chunk(request_iterator, timeout_s)) is not None:
                 h = chunk.header
-                self._count(h.site or site, received=chunk)
                 if first is None:
+                    require_site(self.security, context, h.site)
                     first, site, round_, fragment = chunk, h.site, h.round, h.fragment
                     duplicate = self._check_first_chunk(chunk)
                     if not duplicate:
                         staging = torch.empty(self.c.num_params, dtype=torch.float32)
+                self._count(site, received=chunk)
                 self._check_chunk(first, chunk, index, covered)
                 payload_bytes += len(chunk.payload)
                 if staging is not None:
+                    payload = self._open(chunk)
                     out = staging[h.start : h.start + h.numel]
-                    out.copy_(await asyncio.to_thread(self.c.uplink.decode, chunk.payload, h.numel))
+                    out.copy_(await asyncio.to_thread(self.c.uplink.decode, payload, h.numel))
                 covered += h.numel
                 index += 1
             if first is None:
@@ -153,7 +211,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                     site, first.header.run_id, round_, first.tokens, staging, data
                 )
                 duplicate = not accepted
-        except (CoordinatorError, CodecError) as exc:
+        except REFUSALS as exc:
             self.c.record_rejection(site, exc)
             await _abort(context, "PushDelta", site, exc)
         ack = outer_sync_pb2.PushAck(
@@ -162,11 +220,14 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         self._count(site, sent=ack)
         return ack
 
+    def _open(self, chunk: Any) -> bytes:
+        if self.security.keyring is None:
+            return bytes(chunk.payload)
+        return open_delta(self.security.keyring.site(chunk.header.site).up, chunk)
+
     def _check_first_chunk(self, chunk: Any) -> bool:
         h = chunk.header
         duplicate = self.c.check_push(h.site, h.run_id, h.round)
-        if not duplicate:
-            self.c.check_data(h.site, ranges_from_proto(chunk.data))
         if h.fragment != 0:
             raise InvalidArgument(f"fragment {h.fragment} does not exist; this run has one fragment (0)")
         if h.codec != self.c.uplink.spec:
@@ -202,12 +263,13 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             )
 
     async def PullUpdate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        self._count(request.site, received=request)
         kind = request.kind
         try:
+            require_site(self.security, context, request.site)
+            self._count(request.site, received=request)
             self.c.member(request.site, request.run_id)
             if kind == outer_sync_pb2.PullRequest.UPDATE:
-                update = await self.c.wait_for_update(request.round, request.site)
+                update = await self._wait_for_update(request.round, request.site)
                 if update is not None:
                     chunks, codec, digest = update.chunks, update.codec, update.state_hash
                     next_round, round_ = update.round + 1, update.round
@@ -219,8 +281,9 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 state = self.c.full_state()
                 chunks, codec, digest = state.chunks, state.codec, state.state_hash
                 next_round = round_ = state.round
-        except CoordinatorError as exc:
+        except REFUSALS as exc:
             await _abort(context, "PullUpdate", request.site, exc)
+        keys = self.security.keyring.site(request.site) if self.security.keyring else None
         for seq, chunk in enumerate(chunks):
             message = outer_sync_pb2.UpdateChunk(
                 header=outer_sync_pb2.ChunkHeader(
@@ -241,19 +304,49 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 kind=kind,
                 data=ranges_to_proto(self.c.data_for(request.site)) if seq == len(chunks) - 1 else [],
             )
+            if keys is not None:
+                seal_update(keys.down, message)
             self._count(request.site, sent=message)
             yield message
 
+    async def _wait_for_update(self, round_: int, site: str) -> Any:
+        """The server's own bound on a pull's wait, whatever deadline the client set."""
+        limit = self.c.cfg.round_timeout_s + 300
+        try:
+            return await asyncio.wait_for(self.c.wait_for_update(round_, site), limit)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"round {round_} did not commit within {limit:.0f}s; pull again") from None
+
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    def __init__(self, controller: RoundController, on_shutdown: Callable[[float], None]) -> None:
+    """Status for everyone with a certificate of the run's CA; details and Shutdown for admins."""
+
+    def __init__(
+        self, controller: RoundController, on_shutdown: Callable[[float], None], security: ServerSecurity
+    ) -> None:
         self.c = controller
         self.on_shutdown = on_shutdown
+        self.security = security
 
     async def GetStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return status_message(self.c)
+        full = status_message(self.c)
+        if is_admin(self.security, context):
+            return full
+        return admin_pb2.StatusResponse(
+            run_id=full.run_id,
+            round=full.round,
+            rounds_total=full.rounds_total,
+            finished=full.finished,
+            phase=full.phase,
+            num_params=full.num_params,
+        )
 
     async def Shutdown(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if not is_admin(self.security, context):
+            log.warning("[Admin.Shutdown] peer=%s refused (PERMISSION_DENIED): not an admin", context.peer())
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "Shutdown needs an admin certificate")
+        if not math.isfinite(request.grace_s) or not 0 <= request.grace_s <= 3600:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "grace_s must be in [0, 3600]")
         log.info("[Admin.Shutdown] requested, grace %.1fs", request.grace_s)
         self.on_shutdown(request.grace_s)
         return admin_pb2.ShutdownResponse()

@@ -22,6 +22,9 @@ import torch
 
 from geodiloco import __version__
 from geodiloco.compression import CodecError, EncodedChunk, decode_chunks_into, parse_pipeline
+from geodiloco.security.chunks import KeyMismatch, open_update, seal_delta
+from geodiloco.security.sealing import SiteKeys
+from geodiloco.security.tls import TlsFiles, open_channel
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
 from geodiloco.wire import ranges_from_proto, ranges_to_proto
 from geodiloco.workload.data import DataRange
@@ -120,14 +123,28 @@ def delta_messages(
 
 
 class OuterSyncClient:
-    """One site's connection to the coordinator; counts the bytes it sends and receives."""
+    """One site's connection to the coordinator; counts the bytes it sends and receives.
 
-    def __init__(self, target: str, site: str, *, max_attempts: int = 8) -> None:
+    With ``tls`` the channel is mutual TLS; with ``site_secret`` every pushed chunk is sealed and
+    every pulled chunk opened with this site's keys for the run (known after ``join``).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        site: str,
+        *,
+        tls: TlsFiles | None = None,
+        site_secret: bytes | None = None,
+        max_attempts: int = 8,
+    ) -> None:
         self.site = site
         self.run_id = ""
         self.assigned: list[DataRange] = []  # the ledger's data for this site, as last told
         self.max_attempts = max_attempts
-        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.keys: SiteKeys | None = None
+        self._site_secret = site_secret
+        self.channel = open_channel(target, tls, options=CHANNEL_OPTIONS)
         self.stub = outer_sync_pb2_grpc.OuterSyncStub(self.channel)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -170,6 +187,7 @@ class OuterSyncClient:
         r = self._with_backoff("join", lambda: self._unary(self.stub.Join, request))
         self.run_id = r.run_id
         self.assigned = ranges_from_proto(r.data)
+        self.keys = self._keys_for(r.run_id, r.key_id)
         return JoinInfo(
             r.run_id,
             r.run_config_json,
@@ -182,6 +200,22 @@ class OuterSyncClient:
             r.finished,
             ranges_from_proto(r.data),
         )
+
+    def _keys_for(self, run_id: str, key_id: int) -> SiteKeys | None:
+        """This site's keys for the run, checked against the key id the coordinator expects."""
+        if self._site_secret is None:
+            if key_id:
+                raise KeyMismatch("the coordinator seals payloads; give this site its secret (--secret)")
+            return None
+        if not key_id:
+            raise KeyMismatch("the coordinator does not seal payloads; refusing to send them in the clear")
+        keys = SiteKeys.derive(self._site_secret, run_id)
+        if keys.key_id != key_id:
+            raise KeyMismatch(
+                f"this site's secret gives key id {keys.key_id:08x}, the run expects {key_id:08x}: "
+                "the secret belongs to another run secret or another site"
+            )
+        return keys
 
     def heartbeat(self, round_: int) -> Any:
         return self._unary(
@@ -235,6 +269,8 @@ class OuterSyncClient:
 
         def messages() -> Iterator[Any]:
             for msg in delta_messages(self.run_id, self.site, round_, codec, chunks, tokens, data):
+                if self.keys is not None:
+                    seal_delta(self.keys.up, msg)
                 self._count(sent=msg)
                 yield msg
 
@@ -267,7 +303,8 @@ class OuterSyncClient:
                     if msg.header.codec != first.header.codec:
                         raise CodecError("codec changed in the middle of an update stream")
                     last = msg
-                    yield EncodedChunk(msg.header.start, msg.header.numel, msg.payload)
+                    payload = msg.payload if self.keys is None else open_update(self.keys.down, msg)
+                    yield EncodedChunk(msg.header.start, msg.header.numel, payload)
 
             out = torch.empty(num_params, dtype=torch.float32)
             decode_chunks_into(parse_pipeline(first.header.codec), chunks(), out)

@@ -6,6 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
+
+from geodiloco.security.tls import TlsFiles
 
 
 def worker_command(module: str, nproc: int, args: list[str]) -> list[str]:
@@ -45,5 +48,11 @@ def run_torchrun(module: str, nproc: int, args: list[str]) -> int:
             signal.signal(sig, handler)
 
 
-def run_site(coordinator: str, site: str, nproc: int) -> int:
-    return run_torchrun("geodiloco.site.worker", nproc, ["--coordinator", coordinator, "--site", site])
+def run_site(coordinator: str, site: str, nproc: int, tls: TlsFiles | None, secret: Path | None) -> int:
+    """Start the site's ranks; file paths (never secrets) travel on their command line."""
+    args = ["--coordinator", coordinator, "--site", site]
+    if tls is not None:
+        args += ["--tls", str(tls.cert), str(tls.key), str(tls.ca)]
+    if secret is not None:
+        args += ["--secret", str(secret)]
+    return run_torchrun("geodiloco.site.worker", nproc, args)

@@ -3,7 +3,7 @@
 Inside a site, rank 0 talks to the coordinator and the other ranks receive what it got by a
 broadcast over the site's own process group, so every rank applies the same bytes::
 
-    sync = OuterSync.connect("coordinator:50051", site="dc-west")
+    sync = OuterSync.connect("coordinator:50051", site="dc-west", tls=files, site_secret=secret)
     sync.attach(model)                      # loads the run's global parameters
     while not sync.finished:
         ...; inner_optimizer.step()
@@ -27,6 +27,7 @@ from torch import nn
 from geodiloco.compression import EncodedChunk, ErrorFeedback, encode_chunks, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.params import flatten_parameters, load_flat_parameters, state_hash
+from geodiloco.security.tls import TlsFiles
 from geodiloco.site.client import Heartbeater, JoinInfo, OuterSyncClient, PulledState
 
 log = logging.getLogger("geodiloco.site")
@@ -75,11 +76,23 @@ class OuterSync:
         self._heartbeat: Heartbeater | None = None
 
     @classmethod
-    def connect(cls, target: str, site: str, world_size: int = 1) -> OuterSync:
-        """Join the run (rank 0) and share what the coordinator said with the site's ranks."""
+    def connect(
+        cls,
+        target: str,
+        site: str,
+        world_size: int = 1,
+        *,
+        tls: TlsFiles | None = None,
+        site_secret: bytes | None = None,
+    ) -> OuterSync:
+        """Join the run (rank 0) and share what the coordinator said with the site's ranks.
+
+        ``tls`` (mutual TLS) and ``site_secret`` (payload sealing) are what a coordinator
+        started without ``--insecure`` requires.
+        """
         client, joined = None, None
         if _rank() == 0:
-            client = OuterSyncClient(target, site)
+            client = OuterSyncClient(target, site, tls=tls, site_secret=site_secret)
             joined = client.join(world_size=world_size)
             log.info(
                 "site %s joined run %s at round %d (shard %d of %d)",

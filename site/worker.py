@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from geodiloco.distributed import init_distributed, shutdown_distributed
 from geodiloco.logs import setup_logging
+from geodiloco.security.secrets import load_secret
+from geodiloco.security.tls import TlsFiles
 from geodiloco.site.outer_sync import OuterSync
 from geodiloco.workload import (
     DataShards,
@@ -32,9 +35,9 @@ from geodiloco.workload import (
 log = logging.getLogger("geodiloco.site")
 
 
-def train(coordinator: str, site: str) -> None:
+def train(coordinator: str, site: str, tls: TlsFiles | None, site_secret: bytes | None) -> None:
     rank, world = init_distributed()
-    sync = OuterSync.connect(coordinator, site, world_size=world)
+    sync = OuterSync.connect(coordinator, site, world_size=world, tls=tls, site_secret=site_secret)
     cfg = sync.config
     model = sync.attach(build_model(cfg.model, cfg.seed))
     ddp = DDP(model)
@@ -80,9 +83,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one rank of a geodiloco site (run by torchrun)")
     parser.add_argument("--coordinator", required=True)
     parser.add_argument("--site", required=True)
+    parser.add_argument("--tls", nargs=3, type=Path, metavar=("CERT", "KEY", "CA"))
+    parser.add_argument("--secret", type=Path)
     args = parser.parse_args(argv)
-    setup_logging(site=args.site, rank=int(os.environ.get("RANK", "0")))
-    train(args.coordinator, args.site)
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(site=args.site, rank=rank)
+    tls = TlsFiles(*args.tls) if args.tls and rank == 0 else None
+    secret = load_secret(args.secret) if args.secret and rank == 0 else None  # only rank 0 talks
+    train(args.coordinator, args.site, tls, secret)
 
 
 if __name__ == "__main__":

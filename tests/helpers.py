@@ -25,6 +25,7 @@ from geodiloco.coordinator.server import (
     run_until_stopped,
     start_server,
 )
+from geodiloco.security.policy import ServerSecurity
 from geodiloco.workload.data import DataRange
 
 T = TypeVar("T")
@@ -53,11 +54,24 @@ def tiny_config(**overrides: Any) -> RunConfig:
     return RunConfig.from_dict(data)
 
 
-class CoordinatorThread:
-    """A real grpc.aio coordinator server running in a background thread's event loop."""
+PLAINTEXT = ServerSecurity(tls=None, keyring=None)
 
-    def __init__(self, cfg: RunConfig, initial: torch.Tensor | None = None, port: int = 0) -> None:
+
+class CoordinatorThread:
+    """A real grpc.aio coordinator server running in a background thread's event loop.
+
+    Plaintext on loopback unless ``security`` says otherwise (the security suite uses mTLS).
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        initial: torch.Tensor | None = None,
+        security: ServerSecurity = PLAINTEXT,
+        port: int = 0,
+    ) -> None:
         self.cfg = cfg
+        self.security = security
         self.port = port
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -73,7 +87,9 @@ class CoordinatorThread:
 
         async def run() -> None:
             controller = RoundController(self.cfg, self._initial, data_shard_sizes(self.cfg))
-            self.running = await start_server(controller, "127.0.0.1", self.port, grace_s=0.5)
+            self.running = await start_server(
+                controller, "127.0.0.1", self.port, security=self.security, grace_s=0.5
+            )
             self._ready.set()
             await run_until_stopped(self.running)
 
@@ -130,6 +146,7 @@ def start_coordinator_process(cfg: RunConfig, workdir: Path) -> tuple[subprocess
             str(port_file),
             "--run-dir",
             str(workdir / "coord"),
+            "--insecure",
         ],
         workdir / "coordinator.log",
     )

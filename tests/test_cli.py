@@ -48,7 +48,7 @@ def test_bad_flag_value_names_the_flag() -> None:
 
 
 def test_status_without_a_coordinator_is_a_clear_message() -> None:
-    result = geodiloco("status", "--coordinator", "127.0.0.1:1")
+    result = geodiloco("status", "--coordinator", "127.0.0.1:1", "--insecure")
     assert result.returncode == 2
     assert "cannot reach 127.0.0.1:1" in result.stderr
 
@@ -58,16 +58,16 @@ def test_second_coordinator_on_a_busy_port_is_refused(tmp_path: Path) -> None:
     first, target = start_coordinator_process(tiny_config(), tmp_path)
     try:
         port = target.rsplit(":", 1)[1]
-        second = geodiloco("coordinator", "serve", "--port", port)
+        second = geodiloco("coordinator", "serve", "--port", port, "--insecure")
         assert second.returncode == 2
         assert f"cannot listen on 127.0.0.1:{port}" in second.stderr
-        status = geodiloco("status", "--coordinator", target, "--json")
+        status = geodiloco("status", "--coordinator", target, "--json", "--insecure")
         assert status.returncode == 0
         data = json.loads(status.stdout)
         assert data["run_id"] == "test-run" and data["rounds_total"] == 3 and data["round"] == 0
         assert [s["last_round"] for s in data["sites"]] == [-1, -1]
         assert data["sites"][0]["eval_loss"] is None  # NaN before any report
-        table = geodiloco("status", "--coordinator", target)
+        table = geodiloco("status", "--coordinator", target, "--insecure")
         assert "site-a" in table.stdout and "waiting_for_sites" in table.stdout
     finally:
         first.kill()

@@ -24,10 +24,10 @@ def coordinator():  # type: ignore[no-untyped-def]
 
 def test_latency_is_added_each_way(coordinator: CoordinatorThread) -> None:
     with ProxyThread(coordinator.target, LinkConfig(latency_ms=60)) as proxy:
-        fetch_status(proxy.address)  # connection set-up
+        fetch_status(proxy.address, None)  # connection set-up
         started = time.monotonic()
         for _ in range(3):
-            fetch_status(proxy.address)
+            fetch_status(proxy.address, None)
         per_call = (time.monotonic() - started) / 3
     assert per_call >= 0.12  # a new channel per call: at least one round trip of 2 x 60 ms
 

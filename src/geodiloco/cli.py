@@ -1,4 +1,4 @@
-"""The `geodiloco` command: coordinator serve, site run, status, demo, baseline."""
+"""The `geodiloco` command: coordinator serve, site run, status, certs, demo, baseline."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from geodiloco import __version__
 from geodiloco.logs import setup_logging
+
+if TYPE_CHECKING:
+    from geodiloco.security.tls import TlsFiles
 
 log = logging.getLogger("geodiloco")
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -27,6 +31,52 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override one config value, e.g. --set outer.momentum=0.5 (repeatable)",
     )
+
+
+class UsageError(Exception):
+    """A flag combination that cannot work; reported without a traceback."""
+
+
+def _add_tls_args(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--tls-cert", type=Path, help=f"this {role}'s certificate (PEM)")
+    p.add_argument("--tls-key", type=Path, help=f"this {role}'s private key (PEM)")
+    p.add_argument("--tls-ca", type=Path, help="the CA that signs the run's certificates (PEM)")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext without certificates, for local tests only: refused unless on loopback",
+    )
+
+
+def _tls(args: argparse.Namespace, host: str) -> TlsFiles | None:
+    """The TLS files from the flags, or None after a warning when --insecure (loopback only)."""
+    from geodiloco.security.policy import is_loopback
+    from geodiloco.security.tls import TlsFiles
+
+    given = (args.tls_cert, args.tls_key, args.tls_ca)
+    if args.insecure:
+        if any(given):
+            raise UsageError("--insecure: drop the --tls-* flags or --insecure, not both")
+        if not is_loopback(host):
+            raise UsageError(
+                f"--insecure: plaintext is refused for {host!r}; only loopback may go without mTLS"
+            )
+        print(
+            f"WARNING: --insecure: plaintext gRPC on {host} without certificates or authorisation; "
+            "for local tests only",
+            file=sys.stderr,
+        )
+        return None
+    if not all(given):
+        raise UsageError("--tls-cert, --tls-key and --tls-ca are required (or --insecure on loopback)")
+    try:
+        return TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _target_host(target: str) -> str:
+    return target.rpartition(":")[0] or target
 
 
 def _positive_int(text: str) -> int:
@@ -60,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="stop once the last round is committed and every site has left",
     )
+    _add_tls_args(serve, "coordinator")
+    serve.add_argument(
+        "--run-secret", type=Path, help="the run secret (32 bytes) that payload keys derive from"
+    )
 
     site = sub.add_parser("site", help="the per-site daemon")
     site_sub = site.add_subparsers(dest="action", required=True)
@@ -67,10 +121,31 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--name", required=True, help="this site's name, as listed in the run's config")
     run.add_argument("--coordinator", default=DEFAULT_TARGET, help=f"host:port (default {DEFAULT_TARGET})")
     run.add_argument("--nproc", type=_positive_int, default=2, help="local ranks (default 2)")
+    _add_tls_args(run, "site")
+    run.add_argument("--secret", type=Path, help="this site's secret file (site-NAME.secret) for sealing")
 
     status = sub.add_parser("status", help="show the run's sites, round, loss and bytes")
     status.add_argument("--coordinator", default=DEFAULT_TARGET, help=f"host:port (default {DEFAULT_TARGET})")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_tls_args(status, "admin")
+
+    certs = sub.add_parser("certs", help="a development CA, certificates and run secrets")
+    certs_sub = certs.add_subparsers(dest="action", required=True)
+    init = certs_sub.add_parser("init", help="make a CA and a run secret in DIR")
+    init.add_argument("dir", type=Path, metavar="DIR")
+    issue = certs_sub.add_parser("issue", help="issue a certificate (and a site's secret) from DIR's CA")
+    who = issue.add_mutually_exclusive_group(required=True)
+    who.add_argument("--site", metavar="NAME", help="a site named in the run's config")
+    who.add_argument("--coordinator", metavar="HOST[,HOST...]", help="the names/addresses sites dial")
+    who.add_argument("--admin", metavar="NAME", help="an operator allowed to see details and stop the run")
+    issue.add_argument(
+        "--dir", type=Path, default=Path("pki"), help="the certificates directory (default pki)"
+    )
+    secret = certs_sub.add_parser("secret", help="rotate DIR's run secret and re-derive its site secrets")
+    secret.add_argument(
+        "--dir", type=Path, default=Path("pki"), help="the certificates directory (default pki)"
+    )
+    secret.add_argument("--rotate", action="store_true", required=True, help="replace the run secret")
 
     demo = sub.add_parser("demo", help="DiLoCo across 3 local sites, then the synchronous baseline")
     demo.add_argument("--json", type=Path, dest="json_path", help="also write the summary as JSON here")
@@ -99,13 +174,20 @@ def _serve(args: argparse.Namespace) -> int:
     from geodiloco.coordinator.server import BindError, ServeOptions, serve
 
     cfg = load_config(args.config, args.overrides)
-    opts = ServeOptions(
-        host=args.host,
-        port=args.port,
-        run_dir=args.run_dir,
-        port_file=args.port_file,
-        exit_when_finished=args.exit_when_finished,
-    )
+    try:
+        opts = ServeOptions(
+            host=args.host,
+            port=args.port,
+            run_dir=args.run_dir,
+            port_file=args.port_file,
+            exit_when_finished=args.exit_when_finished,
+            tls=_tls(args, args.host),
+            run_secret=args.run_secret,
+            insecure=args.insecure,
+        )
+        opts.security(cfg.run_id)  # reads the secret now, so a bad file stops us before serving
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     try:
         asyncio.run(serve(cfg, opts))
     except BindError as exc:
@@ -115,9 +197,45 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _site_run(args: argparse.Namespace) -> int:
+    from geodiloco.security.secrets import load_secret
     from geodiloco.site.launcher import run_site
 
-    return run_site(args.coordinator, args.name, args.nproc)
+    tls = _tls(args, _target_host(args.coordinator))
+    if args.secret is None and not args.insecure:
+        raise UsageError("--secret is required: the coordinator seals payloads (site-NAME.secret)")
+    if args.secret is not None:
+        try:
+            load_secret(args.secret)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    return run_site(args.coordinator, args.name, args.nproc, tls, args.secret)
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from geodiloco.security.pki import PkiDir
+
+    try:
+        if args.action == "init":
+            PkiDir(args.dir).init()
+            print(f"CA and run secret written to {args.dir}/ (keep ca-key.pem and run.secret private)")
+        elif args.action == "secret":
+            rewritten = PkiDir(args.dir).rotate_secret()
+            print(f"new run secret in {args.dir}/run.secret; re-derived {len(rewritten)} site secrets:")
+            for path in rewritten:
+                print(f"  {path}")
+        elif args.site:
+            files, secret = PkiDir(args.dir).issue_site(args.site)
+            print(f"site {args.site}: {files.cert} {files.key} (CA {files.ca}), secret {secret}")
+        elif args.coordinator:
+            hosts = [h.strip() for h in args.coordinator.split(",") if h.strip()]
+            files = PkiDir(args.dir).issue_coordinator(hosts)
+            print(f"coordinator {', '.join(hosts)}: {files.cert} {files.key} (CA {files.ca})")
+        else:
+            files = PkiDir(args.dir).issue_admin(args.admin)
+            print(f"admin {args.admin}: {files.cert} {files.key} (CA {files.ca})")
+    except (OSError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    return 0
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -126,7 +244,7 @@ def _status(args: argparse.Namespace) -> int:
     from geodiloco.status import fetch_status, format_status, status_dict
 
     try:
-        status = fetch_status(args.coordinator)
+        status = fetch_status(args.coordinator, _tls(args, _target_host(args.coordinator)))
     except grpc.RpcError as exc:
         print(
             f"geodiloco status: cannot reach {args.coordinator}: {exc.code().name} {exc.details()}",
@@ -174,6 +292,9 @@ COMMANDS = {
     ("coordinator", "serve"): _serve,
     ("site", "run"): _site_run,
     ("status", None): _status,
+    ("certs", "init"): _certs,
+    ("certs", "issue"): _certs,
+    ("certs", "secret"): _certs,
     ("demo", None): _demo,
     ("baseline", None): _baseline,
 }
@@ -189,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args)
     except ConfigError as exc:
         print(f"geodiloco {args.command}: invalid config: {exc}", file=sys.stderr)
+        return 2
+    except UsageError as exc:
+        print(f"geodiloco {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -124,6 +124,26 @@ class CompressionConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class LimitsConfig:
+    """What the coordinator accepts from a site; anything beyond is refused and dropped."""
+
+    max_message_bytes: int = 32 * 1024 * 1024  # one gRPC message; larger is RESOURCE_EXHAUSTED
+    max_delta_norm_ratio: float = 1.0  # ‖Δ_k‖ <= ratio · ‖θ_r‖ (a site moved the whole model); 0: off
+    chunk_timeout_s: float = 60.0  # longest wait for the next chunk of a push
+    joins_per_minute: int = 30  # per peer (certificate identity, or address without TLS)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.max_message_bytes >= 64 * 1024,
+            "limits.max_message_bytes",
+            f"must be >= 65536, got {self.max_message_bytes}",
+        )
+        _require(self.max_delta_norm_ratio >= 0, "limits.max_delta_norm_ratio", "must be >= 0 (0 disables)")
+        _require(self.chunk_timeout_s > 0, "limits.chunk_timeout_s", "must be > 0")
+        _require(self.joins_per_minute > 0, "limits.joins_per_minute", "must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     """One training run across sites."""
 
@@ -140,6 +160,7 @@ class RunConfig:
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
         _require(bool(self.run_id), "run_id", "must not be empty")
@@ -168,6 +189,13 @@ class RunConfig:
             self.lease_s > self.heartbeat_interval_s,
             "lease_s",
             f"must exceed heartbeat_interval_s ({self.heartbeat_interval_s}), got {self.lease_s}",
+        )
+        largest_chunk = self.compression.chunk_elements * 4 + 4096  # fp32 payload plus header
+        _require(
+            self.limits.max_message_bytes >= largest_chunk,
+            "limits.max_message_bytes",
+            f"must hold a chunk of compression.chunk_elements fp32 values ({largest_chunk} bytes), "
+            f"got {self.limits.max_message_bytes}",
         )
 
     @property

@@ -4,6 +4,7 @@ synchronous baseline on the same token budget, and a side-by-side summary."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -15,6 +16,8 @@ from typing import Any
 import grpc
 
 from geodiloco.config import RunConfig, apply_overrides
+from geodiloco.security.pki import PkiDir
+from geodiloco.security.tls import TlsFiles
 from geodiloco.site.launcher import worker_command, worker_env
 from geodiloco.status import fetch_status, human_bytes, request_shutdown
 
@@ -69,8 +72,35 @@ def _tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
+@dataclass(frozen=True, slots=True)
+class DemoPki:
+    """A fresh development CA with certificates for everyone in the demo, in ``run_dir/pki``."""
+
+    dir: PkiDir
+    coordinator: TlsFiles
+    admin: TlsFiles
+    sites: dict[str, tuple[TlsFiles, Path]]
+
+    @classmethod
+    def create(cls, run_dir: Path, sites: list[str]) -> DemoPki:
+        shutil.rmtree(run_dir / "pki", ignore_errors=True)  # a new CA and run secret every demo
+        pki = PkiDir(run_dir / "pki")
+        pki.init()
+        return cls(
+            pki,
+            pki.issue_coordinator(["127.0.0.1", "localhost"]),
+            pki.issue_admin("demo"),
+            {name: pki.issue_site(name) for name in sites},
+        )
+
+
+def _tls_flags(files: TlsFiles) -> list[str]:
+    return ["--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca)]
+
+
 def run_diloco(cfg: RunConfig, opts: DemoOptions, run_dir: Path) -> dict[str, Any]:
-    """Coordinator + sites as processes; returns the DiLoCo half of the summary."""
+    """Coordinator + sites as processes over mTLS; returns the DiLoCo half of the summary."""
+    pki = DemoPki.create(run_dir, cfg.sites)
     config_path = run_dir / "config.json"
     config_path.write_text(cfg.to_json())
     port_file = run_dir / "coordinator.port"
@@ -91,6 +121,9 @@ def run_diloco(cfg: RunConfig, opts: DemoOptions, run_dir: Path) -> dict[str, An
             str(port_file),
             "--run-dir",
             str(run_dir / "coordinator"),
+            *_tls_flags(pki.coordinator),
+            "--run-secret",
+            str(pki.dir.run_secret),
         ],
         run_dir / "coordinator.log",
     )
@@ -116,10 +149,13 @@ def run_diloco(cfg: RunConfig, opts: DemoOptions, run_dir: Path) -> dict[str, An
                     target,
                     "--nproc",
                     str(opts.ranks_per_site),
+                    *_tls_flags(pki.sites[name][0]),
+                    "--secret",
+                    str(pki.sites[name][1]),
                 ],
                 run_dir / f"{name}.log",
             )
-        return _watch(cfg, target, coordinator, sites, run_dir, started, opts.timeout_s)
+        return _watch(cfg, target, pki.admin, coordinator, sites, run_dir, started, opts.timeout_s)
     finally:
         for proc in (*sites.values(), coordinator):
             if proc.poll() is None:
@@ -134,6 +170,7 @@ def run_diloco(cfg: RunConfig, opts: DemoOptions, run_dir: Path) -> dict[str, An
 def _watch(
     cfg: RunConfig,
     target: str,
+    admin: TlsFiles,
     coordinator: subprocess.Popen[bytes],
     sites: dict[str, subprocess.Popen[bytes]],
     run_dir: Path,
@@ -150,7 +187,7 @@ def _watch(
             if proc.poll() not in (None, 0):
                 raise RuntimeError(f"site {name} failed:\n{_tail(run_dir / f'{name}.log')}")
         try:
-            status = fetch_status(target)
+            status = fetch_status(target, admin)
         except grpc.RpcError:
             if coordinator.poll() is not None:
                 raise RuntimeError(f"the coordinator exited:\n{_tail(run_dir / 'coordinator.log')}") from None
@@ -179,7 +216,7 @@ def _watch(
             break
         time.sleep(1.0)
     wall = time.monotonic() - started
-    request_shutdown(target)
+    request_shutdown(target, admin)
     assert status is not None
     return {
         "final_eval_loss": curve[-1]["eval_loss"],

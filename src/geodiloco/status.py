@@ -5,19 +5,22 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import grpc
 from google.protobuf.message import Message
 
+from geodiloco.security.tls import TlsFiles, open_channel
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc
 
 
-def fetch_status(target: str, timeout_s: float = 10.0) -> Any:
-    with grpc.insecure_channel(target) as channel:
+def fetch_status(target: str, tls: TlsFiles | None, timeout_s: float = 10.0) -> Any:
+    """The run's status; per-site details and history need an admin certificate."""
+    with open_channel(target, tls) as channel:
         return admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.StatusRequest(), timeout=timeout_s)
 
 
-def request_shutdown(target: str, grace_s: float = 2.0, timeout_s: float = 10.0) -> None:
-    with grpc.insecure_channel(target) as channel:
+def request_shutdown(
+    target: str, tls: TlsFiles | None, grace_s: float = 2.0, timeout_s: float = 10.0
+) -> None:
+    with open_channel(target, tls) as channel:
         admin_pb2_grpc.AdminStub(channel).Shutdown(
             admin_pb2.ShutdownRequest(grace_s=grace_s), timeout=timeout_s
         )

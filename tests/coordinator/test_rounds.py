@@ -18,7 +18,7 @@ N = 1000
 
 
 def controller(tmp_path: Path | None = None, **overrides: object) -> RoundController:
-    cfg = tiny_config(**{"round_timeout_s": 0.2, **overrides})
+    cfg = tiny_config(**{"round_timeout_s": 0.2, "limits__max_delta_norm_ratio": 0.0, **overrides})
     return RoundController(cfg, torch.zeros(N), [1000] * cfg.data.shards, tmp_path)
 
 

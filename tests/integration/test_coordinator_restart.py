@@ -18,7 +18,18 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def serve(config: Path, port: int, run_dir: Path, log: Path) -> object:
     return spawn_geodiloco(
-        ["coordinator", "serve", "--config", str(config), "--port", str(port), "--run-dir", str(run_dir)], log
+        [
+            "coordinator",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+            "--run-dir",
+            str(run_dir),
+            "--insecure",
+        ],
+        log,
     )
 
 
@@ -36,7 +47,8 @@ def test_coordinator_killed_mid_run_resumes_from_its_last_commit(tmp_path: Path)
     coordinator = serve(config, port, run_dir, tmp_path / "coordinator-1.log")
     sites = [
         spawn_geodiloco(
-            ["site", "run", "--name", n, "--coordinator", target, "--nproc", "2"], tmp_path / f"{n}.log"
+            ["site", "run", "--name", n, "--coordinator", target, "--nproc", "2", "--insecure"],
+            tmp_path / f"{n}.log",
         )
         for n in cfg.sites
     ]
@@ -58,12 +70,12 @@ def test_coordinator_killed_mid_run_resumes_from_its_last_commit(tmp_path: Path)
         assert len({r["state_hash"] for r in log}) == rounds
         assert ledger_problems(log, cfg) == []
         assert "resumed run test-run at round" in (tmp_path / "coordinator-2.log").read_text()
-        status = fetch_status(target)
+        status = fetch_status(target, None)
         assert status.finished and status.round == rounds
         assert [h.state_hash for h in status.history] == [r["state_hash"] for r in log]
         for site in status.sites:
             assert site.hash_ok and site.last_report_round == rounds - 1 and site.state == "left"
-        request_shutdown(target)
+        request_shutdown(target, None)
         assert coordinator.wait(timeout=30) == 0
     finally:
         for proc in (*sites, coordinator):

@@ -27,7 +27,7 @@ def test_wrong_shape_push_is_refused_and_the_round_completes_with_the_other_site
         rogue = OuterSyncClient(target, "rogue")
         info = rogue.join()
         site = spawn_geodiloco(
-            ["site", "run", "--name", "site-a", "--coordinator", target, "--nproc", "2"],
+            ["site", "run", "--name", "site-a", "--coordinator", target, "--nproc", "2", "--insecure"],
             tmp_path / "site-a.log",
         )
         codec = parse_pipeline(cfg.compression.uplink)
@@ -39,13 +39,13 @@ def test_wrong_shape_push_is_refused_and_the_round_completes_with_the_other_site
         assert "outside the model's" in err.value.details()
 
         assert site.wait(timeout=240) == 0, (tmp_path / "site-a.log").read_text()[-3000:]
-        status = fetch_status(target)
+        status = fetch_status(target, None)
         assert status.finished and [list(h.contributors) for h in status.history] == [["site-a"], ["site-a"]]
         assert all(h.hashes_agree and h.hash_reports == 1 for h in status.history)
         by_name = {s.site: s for s in status.sites}
         assert by_name["rogue"].rejected == 1 and by_name["rogue"].accepted == 0
         assert by_name["site-a"].accepted == 2 and by_name["site-a"].rejected == 0
-        request_shutdown(target)
+        request_shutdown(target, None)
         assert coordinator.wait(timeout=30) == 0
     finally:
         for proc in (site, coordinator):

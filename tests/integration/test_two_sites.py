@@ -20,14 +20,14 @@ def test_two_sites_stay_bit_identical_every_round(tmp_path: Path) -> None:
     try:
         sites = [
             spawn_geodiloco(
-                ["site", "run", "--name", name, "--coordinator", target, "--nproc", "2"],
+                ["site", "run", "--name", name, "--coordinator", target, "--nproc", "2", "--insecure"],
                 tmp_path / f"{name}.log",
             )
             for name in cfg.sites
         ]
         for name, proc in zip(cfg.sites, sites, strict=True):
             assert proc.wait(timeout=240) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
-        status = fetch_status(target)
+        status = fetch_status(target, None)
         assert status.finished and status.round == 4
         assert [h.round for h in status.history] == [0, 1, 2, 3]
         for record in status.history:
@@ -45,7 +45,7 @@ def test_two_sites_stay_bit_identical_every_round(tmp_path: Path) -> None:
         assert ledger_problems(logged, cfg) == []
         windows = cfg.rounds * 2 * cfg.inner.steps_per_round * 2 * cfg.data.batch_size
         assert status.data_windows_consumed == windows
-        request_shutdown(target)
+        request_shutdown(target, None)
         assert coordinator.wait(timeout=30) == 0
     finally:
         for proc in (*sites, coordinator):

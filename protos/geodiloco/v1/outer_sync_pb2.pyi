@@ -27,7 +27,9 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
 class ChunkHeader(_message.Message):
-    """Identifies one chunk. Later bound to the payload as AEAD associated data."""
+    """Identifies one chunk. Every field but `nonce` is the AEAD associated data of the payload, with
+    the direction, the message's kind and its stream-level fields (geodiloco.security.chunks).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -39,6 +41,8 @@ class ChunkHeader(_message.Message):
     SEQ_FIELD_NUMBER: _builtins.int
     START_FIELD_NUMBER: _builtins.int
     NUMEL_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     round: _builtins.int
     fragment: _builtins.int
@@ -51,6 +55,10 @@ class ChunkHeader(_message.Message):
     """first element of the range in the canonical flat vector"""
     numel: _builtins.int
     """elements in the range"""
+    nonce: _builtins.bytes
+    """96-bit random AEAD nonce; empty when the run does not seal payloads"""
+    key_id: _builtins.int
+    """public fingerprint of the sealing key (run, site); 0 = not sealed"""
     def __init__(
         self,
         *,
@@ -62,10 +70,12 @@ class ChunkHeader(_message.Message):
         seq: _builtins.int = ...,
         start: _builtins.int = ...,
         numel: _builtins.int = ...,
+        nonce: _builtins.bytes = ...,
+        key_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "fragment", b"fragment", "numel", b"numel", "round", b"round", "run_id", b"run_id", "seq", b"seq", "site", b"site", "start", b"start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "fragment", b"fragment", "key_id", b"key_id", "nonce", b"nonce", "numel", b"numel", "round", b"round", "run_id", b"run_id", "seq", b"seq", "site", b"site", "start", b"start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -149,6 +159,7 @@ class JoinResponse(_message.Message):
     NUM_PARAMS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     run_config_json: _builtins.str
@@ -162,6 +173,8 @@ class JoinResponse(_message.Message):
     num_params: _builtins.int
     heartbeat_interval_s: _builtins.float
     finished: _builtins.bool
+    key_id: _builtins.int
+    """the key id this site's chunks must carry; 0 = payloads not sealed"""
     @_builtins.property
     def data(self) -> _containers.RepeatedCompositeFieldContainer[Global___DataRange]:
         """what to train on in `round`"""
@@ -178,11 +191,12 @@ class JoinResponse(_message.Message):
         num_params: _builtins.int = ...,
         heartbeat_interval_s: _builtins.float = ...,
         finished: _builtins.bool = ...,
+        key_id: _builtins.int = ...,
         data: _abc.Iterable[Global___DataRange] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "finished", b"finished", "heartbeat_interval_s", b"heartbeat_interval_s", "num_params", b"num_params", "round", b"round", "run_config_json", b"run_config_json", "run_id", b"run_id", "shard_count", b"shard_count", "shard_index", b"shard_index", "state_hash", b"state_hash"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "finished", b"finished", "heartbeat_interval_s", b"heartbeat_interval_s", "key_id", b"key_id", "num_params", b"num_params", "round", b"round", "run_config_json", b"run_config_json", "run_id", b"run_id", "shard_count", b"shard_count", "shard_index", b"shard_index", "state_hash", b"state_hash"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
