@@ -132,6 +132,7 @@ class RoundController:
         self.hashes: dict[int, str] = {0: state_hash(self.theta)}
         self.theta_norm = float(self.theta.norm())
         self.round_opened = time.monotonic()
+        self.first_contribution: float | None = None  # the round's deadline counts from here
         self.started = time.monotonic()
         self.unattributed_bytes = 0
         self._full_state: FullState | None = None
@@ -254,6 +255,8 @@ class RoundController:
                 return False
             self.check_data(name, self.data_for(name) if data is None else data)
             self.mean.add(name, delta, tokens)
+            if self.first_contribution is None:
+                self.first_contribution = time.monotonic()
             record = self.sites[name]
             record.last_round, record.accepted = round_, record.accepted + 1
             record.tokens += tokens
@@ -291,7 +294,16 @@ class RoundController:
         if self.finished or len(contributed) < self.cfg.quorum:
             return False
         everyone_in = self.live_sites() <= contributed
-        return everyone_in or now - self.round_opened >= self.cfg.round_timeout_s
+        return everyone_in or self.overdue(now)
+
+    def overdue(self, now: float) -> bool:
+        """Past the round's deadline: ``round_timeout_s`` after its first contribution arrived.
+
+        Counting from the first arrival (not the round's start) means slow starts, e.g. sites
+        still importing at round 0, do not count against the stragglers."""
+        return (
+            self.first_contribution is not None and now - self.first_contribution >= self.cfg.round_timeout_s
+        )
 
     async def _maybe_close(self) -> None:
         async with self._commit_lock:
@@ -331,6 +343,7 @@ class RoundController:
                 self.ledger.reserve(name, self.windows_per_round(self.sites[name]))
         self.mean = WeightedMean(self.num_params)
         self.round_opened = time.monotonic()
+        self.first_contribution = None
         self._full_state = None
         await self._persist()
         log.info(
@@ -512,8 +525,7 @@ class RoundController:
             return "finished"
         if not self.history and self.live_sites() != set(self.sites):
             return "waiting_for_sites"
-        overdue = time.monotonic() - self.round_opened >= self.cfg.round_timeout_s
-        if overdue and len(self.mean.contributors) < self.cfg.quorum:
+        if self.overdue(time.monotonic()) and len(self.mean.contributors) < self.cfg.quorum:
             return "waiting_for_quorum"  # past the deadline, but too few contributions to commit
         return "training"
 

@@ -324,9 +324,10 @@ class OuterSyncClient:
 class Heartbeater:
     """Keeps the site's lease alive from a background thread while it trains or waits."""
 
-    def __init__(self, client: OuterSyncClient, interval_s: float) -> None:
+    def __init__(self, client: OuterSyncClient, interval_s: float, world_size: int = 1) -> None:
         self.client = client
         self.interval_s = interval_s
+        self.world_size = world_size
         self.round = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -344,3 +345,13 @@ class Heartbeater:
                 self.client.heartbeat(self.round)
             except grpc.RpcError as exc:
                 log.warning("heartbeat failed: %s", exc.code().name)
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    self._rejoin()
+
+    def _rejoin(self) -> None:
+        """The lease lapsed (a partition, a long stall): be counted as live again."""
+        try:
+            self.client.join(world_size=self.world_size)
+            log.warning("lease had lapsed; rejoined the run")
+        except grpc.RpcError as exc:
+            log.warning("rejoin failed: %s", exc.code().name)

@@ -106,7 +106,7 @@ class OuterSync:
         assert isinstance(info, JoinInfo)
         sync = cls(client, info, world_size)
         if client is not None:
-            sync._heartbeat = Heartbeater(client, info.heartbeat_interval_s)
+            sync._heartbeat = Heartbeater(client, info.heartbeat_interval_s, world_size)
             sync._heartbeat.start()
         return sync
 
@@ -169,7 +169,9 @@ class OuterSync:
             )
         self.round, self.finished, self.data = pulled.next_round, pulled.finished, pulled.data
         self.steps_in_round = self.tokens_in_round = 0
-        self.last_result = RoundResult(closed, digest, int(tokens.item()), pulled.finished)
+        # after a resync the state is that of a later round than the one this site trained
+        reached = pulled.next_round - 1
+        self.last_result = RoundResult(reached, digest, int(tokens.item()), pulled.finished)
         if self._heartbeat is not None:
             self._heartbeat.round = self.round
         return self.last_result
@@ -182,12 +184,22 @@ class OuterSync:
         (FAILED_PRECONDITION: rejoin and continue from the coordinator's current state).
         """
         assert self.client is not None
+        resync = False
         for _ in range(MAX_EXCHANGES):
             try:
+                if resync:
+                    self.client.join(world_size=self.world_size)
+                    return self.client.pull(round_, self.info.num_params, full_state=True)
                 self.client.push(
                     round_, self.uplink.spec, chunks, tokens, self.data, timeout_s=self.pull_timeout_s
                 )
-                return self.client.pull(round_, self.info.num_params, timeout_s=self.pull_timeout_s)
+                pulled = self.client.pull(round_, self.info.num_params, timeout_s=self.pull_timeout_s)
+                if pulled.finished or pulled.data:
+                    return pulled
+                # the round committed while this site was counted lost: no data is reserved for it
+                log.warning("round %d: no data assigned (lease lapsed); rejoining", round_)
+                info = self.client.join(world_size=self.world_size)
+                return dataclasses.replace(pulled, data=info.data)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.ABORTED:
                     log.warning("round %d: the coordinator lost this contribution; pushing again", round_)
@@ -195,9 +207,8 @@ class OuterSync:
                 if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
                 log.warning("round %d refused (%s); rejoining and resyncing", round_, exc.details())
-                self.client.join(world_size=self.world_size)
-                return self.client.pull(round_, self.info.num_params, full_state=True)
-        raise RuntimeError(f"round {round_}: contribution lost {MAX_EXCHANGES} times in a row")
+                resync = True
+        raise RuntimeError(f"round {round_}: no update after {MAX_EXCHANGES} attempts")
 
     @property
     def pull_timeout_s(self) -> float:
@@ -232,9 +243,13 @@ class OuterSync:
         if self.client is None or self.last_result is None:
             return
         r = self.last_result
-        response = self.client.report(
-            r.round, r.state_hash, eval_loss_sum, eval_count, train_loss, r.tokens, compute_seconds
-        )
+        try:
+            response = self.client.report(
+                r.round, r.state_hash, eval_loss_sum, eval_count, train_loss, r.tokens, compute_seconds
+            )
+        except grpc.RpcError as exc:  # metrics only: never worth stopping the training for
+            log.warning("report of round %d failed: %s %s", r.round, exc.code().name, exc.details())
+            return
         if not response.hash_ok:
             log.error("coordinator reports a hash mismatch after round %d", r.round)
 
@@ -242,7 +257,10 @@ class OuterSync:
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self.client is not None:
-            self.client.leave(reason)
+            try:
+                self.client.leave(reason)
+            except grpc.RpcError as exc:  # its lease may have lapsed already: nothing to undo
+                log.warning("leave failed: %s %s", exc.code().name, exc.details())
             self.client.close()
 
     @property

@@ -123,10 +123,13 @@ class CoordinatorThread:
 
 
 def spawn_geodiloco(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """`geodiloco ARGS` as a real process, output to ``log``."""
-    with open(log, "wb") as out:
+    """`geodiloco ARGS` as a real process in its own process group, output to ``log``."""
+    with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "geodiloco", *args], stdout=out, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "geodiloco", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # so a test can SIGKILL a site with all its ranks
         )
 
 
