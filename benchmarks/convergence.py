@@ -32,10 +32,12 @@ PIPELINES = {
 }
 
 
-def run_one(name: str, spec: str, rounds: int | None, run_dir: Path) -> dict[str, Any]:
+def run_one(name: str, spec: str, rounds: int | None, seed: int | None, run_dir: Path) -> dict[str, Any]:
     overrides = [f"compression.uplink={spec}", f"compression.downlink={spec}"]
     if rounds:
         overrides.append(f"rounds={rounds}")
+    if seed is not None:
+        overrides.append(f"seed={seed}")
     opts = DemoOptions(overrides=overrides, baseline=False)
     cfg = demo_config(opts)
     print(f"== {name}: {spec}", flush=True)
@@ -45,6 +47,7 @@ def run_one(name: str, spec: str, rounds: int | None, run_dir: Path) -> dict[str
         "name": name,
         "pipeline": spec,
         "bits_per_param": parse_pipeline(spec).bits_per_param(min(params, cfg.compression.chunk_elements)),
+        "seed": cfg.seed,
         "final_eval_loss": result["final_eval_loss"],
         "wan_bytes": result["wan_bytes"],
         "tokens": result["tokens"],
@@ -79,14 +82,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="write a PNG of eval loss against tokens here")
     parser.add_argument("--rounds", type=int, help="outer rounds per run (default: the demo's 36)")
-    parser.add_argument("--only", nargs="*", choices=list(PIPELINES), help="run only these pipelines")
+    parser.add_argument("--seed", type=int, help="model and data seed for every run (default: the demo's)")
+    parser.add_argument("--only", nargs="*", help="run only these of the pipelines (by name)")
+    parser.add_argument(
+        "--extra", nargs="*", default=[], metavar="NAME=SPEC", help="more pipelines: 'q4-b32=q4:32|zstd:1'"
+    )
     args = parser.parse_args(argv)
+    pipelines = {**PIPELINES, **dict(e.split("=", 1) for e in args.extra)}
     results = []
-    for name, spec in PIPELINES.items():
-        if args.only and name not in args.only:
+    for name, spec in pipelines.items():
+        if args.only is not None and name not in args.only and f"{name}={spec}" not in args.extra:
             continue
         with tempfile.TemporaryDirectory(prefix=f"convergence-{name.replace('%', '')}-") as tmp:
-            results.append(run_one(name, spec, args.rounds, Path(tmp)))
+            results.append(run_one(name, spec, args.rounds, args.seed, Path(tmp)))
     none = next((r["final_eval_loss"] for r in results if r["name"] == "none"), None)
     print("| name | pipeline | bits/param | final eval loss | vs none | WAN bytes |")
     print("|---|---|---|---|---|---|")
