@@ -1,7 +1,8 @@
 """Codecs that turn fp32 tensors into compact bytes and back.
 
-A pipeline is named by a spec string such as ``"q8|zstd:3"``: one tensor stage that maps a
-flat fp32 tensor to bytes, then any number of byte stages. See :mod:`.pipeline`.
+A pipeline is named by a spec string such as ``"topk:0.05|q2|zstd:3"``: an optional sparsifier,
+one value codec, an optional entropy stage; every chunk is framed with a length, codec tag and
+CRC-32. See :mod:`.pipeline`.
 """
 
 from geodiloco.compression.error_feedback import ErrorFeedback

@@ -1,93 +1,228 @@
-"""Named codec pipelines: ``"<tensor stage>[:arg] [| zstd[:level]]"``.
+"""Codec pipelines named by a spec: ``[topk:F[:B] |] <value codec>[:args] [| zstd[:level]]``.
 
-Examples: ``"q8"``, ``"q8:256|zstd:3"`` (int8 with 256-element blocks, then zstd level 3),
-``"fp32|zstd:1"`` (lossless).
+Examples: ``"q8|zstd:1"`` (int8, 128-element blocks, then zstd), ``"q4:64"``, ``"fp4"``,
+``"topk:0.05|q2|zstd:3"`` (keep 5%, their values at 2 bits, indices Elias-Fano coded),
+``"fp32|zstd:1"`` (lossless). After ``topk`` the value codec may be omitted (fp32).
+
+Every encoded chunk is framed (:mod:`.envelope`); the raw size before entropy coding depends
+only on the element count, which bounds what a decoder ever allocates.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from geodiloco.compression import envelope, indices
+from geodiloco.compression.base import ValueCodec
+from geodiloco.compression.casts import Bf16, Fp16, Fp32
 from geodiloco.compression.entropy import Zstd
 from geodiloco.compression.errors import CodecError
-from geodiloco.compression.quantize import BlockwiseInt8, Fp32
+from geodiloco.compression.levels import LevelQuantizer, e2m1_levels, normal_float_levels
+from geodiloco.compression.quantize import BlockwiseAbsmax
+from geodiloco.compression.sparsify import TopK
 
-TensorStage = Fp32 | BlockwiseInt8
 
-_TENSOR_STAGES: dict[str, Callable[[str | None], TensorStage]] = {
-    "fp32": lambda arg: Fp32(),
-    "q8": lambda arg: BlockwiseInt8(block=int(arg)) if arg else BlockwiseInt8(),
+@dataclass(frozen=True, slots=True)
+class StageArgs:
+    """Arguments of one stage: ``name:pos1:pos2:key=value:flag``."""
+
+    name: str
+    positional: list[str]
+    options: dict[str, str | None]
+
+    def only(self, max_positional: int, options: tuple[str, ...] = ()) -> None:
+        if len(self.positional) > max_positional:
+            raise CodecError(f"{self.name} takes at most {max_positional} positional argument(s)")
+        unknown = sorted(set(self.options) - set(options))
+        if unknown:
+            accepted = ", ".join(options) or "none"
+            raise CodecError(f"{self.name}: unknown option(s) {', '.join(unknown)}; accepted: {accepted}")
+
+    def int_at(self, i: int, default: int) -> int:
+        return int(self.positional[i]) if len(self.positional) > i else default
+
+
+def _quantizer(bits: int) -> Callable[[StageArgs], ValueCodec]:
+    def build(a: StageArgs) -> ValueCodec:
+        a.only(1, ("sr",))
+        seed: int | None = None
+        if "sr" in a.options:
+            seed = int(a.options["sr"] or 0)
+        return BlockwiseAbsmax(bits=bits, block=a.int_at(0, 128), sr_seed=seed)
+
+    return build
+
+
+def _levels(name: str, levels: tuple[float, ...]) -> Callable[[StageArgs], ValueCodec]:
+    def build(a: StageArgs) -> ValueCodec:
+        a.only(1)
+        return LevelQuantizer(name=name, levels=levels, block=a.int_at(0, 128))
+
+    return build
+
+
+def _plain(codec: ValueCodec) -> Callable[[StageArgs], ValueCodec]:
+    def build(a: StageArgs) -> ValueCodec:
+        a.only(0)
+        return codec
+
+    return build
+
+
+def _topk(a: StageArgs) -> TopK:
+    a.only(2)
+    if not a.positional:
+        raise CodecError("topk needs a fraction, e.g. topk:0.02 or topk:0.02:256 (per block)")
+    return TopK(fraction=float(a.positional[0]), block=a.int_at(1, 0))
+
+
+def _zstd(a: StageArgs) -> Zstd:
+    a.only(1)
+    return Zstd(level=a.int_at(0, 3))
+
+
+VALUE_CODECS: dict[str, Callable[[StageArgs], ValueCodec]] = {
+    "fp32": _plain(Fp32()),
+    "fp16": _plain(Fp16()),
+    "bf16": _plain(Bf16()),
+    "q8": _quantizer(8),
+    "q4": _quantizer(4),
+    "q2": _quantizer(2),
+    "fp4": _levels("fp4", e2m1_levels()),
+    "nf4": _levels("nf4", normal_float_levels()),
 }
-_BYTE_STAGES: dict[str, Callable[[str | None], Zstd]] = {
-    "zstd": lambda arg: Zstd(level=int(arg)) if arg else Zstd(),
-}
+SPARSIFIERS: dict[str, Callable[[StageArgs], TopK]] = {"topk": _topk}
+BYTE_STAGES: dict[str, Callable[[StageArgs], Zstd]] = {"zstd": _zstd}
 
 
 def known_stages() -> list[str]:
-    return sorted(_TENSOR_STAGES) + sorted(_BYTE_STAGES)
+    return [*VALUE_CODECS, *SPARSIFIERS, *BYTE_STAGES]
+
+
+def _known() -> str:
+    return (
+        f"known: {', '.join(VALUE_CODECS)} (values); {', '.join(SPARSIFIERS)} (sparsifier, first); "
+        f"{', '.join(BYTE_STAGES)} (bytes, last)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class Pipeline:
-    """A tensor stage followed by an optional entropy stage."""
+    """Optional sparsifier, one value codec, optional entropy stage, inside a checked frame."""
 
     spec: str
-    tensor_stage: TensorStage
-    entropy: Zstd | None
+    values: ValueCodec
+    sparsifier: TopK | None = None
+    entropy: Zstd | None = None
+    tag: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tag", envelope.codec_tag(self.canonical))
+
+    @property
+    def canonical(self) -> str:
+        stages = [self.sparsifier, self.values, self.entropy]
+        return "|".join(s.spec for s in stages if s is not None)
+
+    def raw_size(self, numel: int) -> int:
+        """Bytes before entropy coding, a function of ``numel`` only."""
+        if self.sparsifier is None:
+            return self.values.encoded_size(numel)
+        return self.sparsifier.index_size(numel) + self.values.encoded_size(self.sparsifier.count(numel))
 
     def bits_per_param(self, numel: int) -> float:
-        """Bits per parameter before entropy coding (an upper bound for the whole pipeline)."""
-        return self.tensor_stage.bits_per_param(numel)
+        """Bits per parameter of a frame before entropy coding (zstd only ever shrinks it)."""
+        return 8.0 * (envelope.HEADER_SIZE + self.raw_size(numel)) / max(numel, 1)
 
     def encode(self, x: torch.Tensor) -> bytes:
-        raw = self.tensor_stage.encode(x)
-        return self.entropy.encode(raw) if self.entropy else raw
+        x = x.detach().reshape(-1).to(torch.float32)
+        if self.sparsifier is None:
+            raw = self.values.encode(x)
+        else:
+            kept = self.sparsifier.select(x)
+            raw = torch.cat([indices.encode(kept, x.numel()), self.values.encode(x[kept])])
+        body: bytes | memoryview = raw.numpy().data.cast("B")
+        if self.entropy is not None:
+            body = self.entropy.encode(body)
+        return envelope.seal(self.tag, x.numel(), body)
 
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
-        if self.entropy:
-            data = self.entropy.decode(data, self.tensor_stage.encoded_size(numel))
-        return self.tensor_stage.decode(data, numel)
+        """The fp32 tensor of ``numel`` elements in ``data``; CodecError on any inconsistency."""
+        body = envelope.open_frame(data, self.tag, numel, self.spec)
+        size = self.raw_size(numel)
+        if self.entropy is not None:
+            body = memoryview(self.entropy.decode(body, size))
+        elif len(body) != size:
+            raise CodecError(f"{self.spec}: frame body is {len(body)} bytes, expected {size}")
+        raw = (
+            torch.frombuffer(bytearray(body), dtype=torch.uint8)
+            if size
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        if self.sparsifier is None:
+            return self.values.decode(raw, numel)
+        k = self.sparsifier.count(numel)
+        split = self.sparsifier.index_size(numel)
+        kept = indices.decode(raw[:split], numel, k)
+        out = torch.zeros(numel, dtype=torch.float32)
+        out[kept] = self.values.decode(raw[split:], k)
+        return out
 
     def roundtrip(self, x: torch.Tensor) -> tuple[bytes, torch.Tensor]:
         """Encode, and the exact tensor every receiver will decode from those bytes."""
         data = self.encode(x)
         return data, self.decode(data, x.numel())
 
+    def error_bound(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-element bound on ``|x - roundtrip(x)|``: dropped elements are off by their size."""
+        x = x.detach().reshape(-1).to(torch.float32)
+        if self.sparsifier is None:
+            return self.values.error_bound(x)
+        kept = self.sparsifier.select(x)
+        bound = x.abs()
+        bound[kept] = self.values.error_bound(x[kept])
+        return bound
 
-def _split(stage: str) -> tuple[str, str | None]:
-    name, _, arg = stage.strip().partition(":")
-    return name.strip(), (arg.strip() or None)
+
+def _parse_stage(text: str) -> StageArgs:
+    name, *args = (p.strip() for p in text.strip().split(":"))
+    positional: list[str] = []
+    options: dict[str, str | None] = {}
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if eq or (not arg[:1].isdigit() and not arg.startswith((".", "-"))):
+            options[key.strip()] = value.strip() if eq else None
+        else:
+            positional.append(arg)
+    return StageArgs(name, positional, options)
 
 
 def parse_pipeline(spec: str) -> Pipeline:
     """Build a pipeline from its spec; unknown names raise with the list of known ones."""
-    parts = [p for p in spec.split("|") if p.strip()]
-    if not parts:
-        raise CodecError(f"empty codec pipeline {spec!r}; known stages: {', '.join(known_stages())}")
-    name, arg = _split(parts[0])
-    if name not in _TENSOR_STAGES:
-        raise CodecError(
-            f"unknown tensor stage {name!r} in {spec!r}; known: {', '.join(sorted(_TENSOR_STAGES))}"
-        )
+    stages = [_parse_stage(p) for p in spec.split("|") if p.strip()]
+    if not stages:
+        raise CodecError(f"empty codec pipeline {spec!r}; {_known()}")
+    for stage in stages:
+        if stage.name not in (*VALUE_CODECS, *SPARSIFIERS, *BYTE_STAGES):
+            raise CodecError(f"unknown codec stage {stage.name!r} in {spec!r}; {_known()}")
     try:
-        tensor_stage = _TENSOR_STAGES[name](arg)
-        entropy = None
-        for part in parts[1:]:
-            bname, barg = _split(part)
-            if bname not in _BYTE_STAGES:
-                raise CodecError(
-                    f"unknown byte stage {bname!r} in {spec!r}; known: {', '.join(sorted(_BYTE_STAGES))}"
-                )
-            if entropy is not None:
-                raise CodecError(f"at most one entropy stage per pipeline, got {spec!r}")
-            entropy = _BYTE_STAGES[bname](barg)
+        sparsifier = SPARSIFIERS[stages[0].name](stages.pop(0)) if stages[0].name in SPARSIFIERS else None
+        entropy = (
+            BYTE_STAGES[stages[-1].name](stages.pop()) if stages and stages[-1].name in BYTE_STAGES else None
+        )
+        if len(stages) > 1 or any(s.name not in VALUE_CODECS for s in stages):
+            raise CodecError(
+                f"codec pipeline {spec!r} must be [sparsifier |] value codec [| byte stage], "
+                f"with one of each at most; {_known()}"
+            )
+        if not stages and sparsifier is None:
+            raise CodecError(f"codec pipeline {spec!r} has no value codec; {_known()}")
+        values = VALUE_CODECS[stages[0].name](stages[0]) if stages else Fp32()
+    except CodecError as exc:
+        raise CodecError(f"{exc} (in {spec!r})") from None
     except ValueError as exc:
-        if isinstance(exc, CodecError):
-            raise
         raise CodecError(f"bad argument in codec pipeline {spec!r}: {exc}") from None
-    if isinstance(tensor_stage, BlockwiseInt8) and tensor_stage.block <= 0:
-        raise CodecError(f"q8 block size must be > 0 in {spec!r}")
-    return Pipeline(spec=spec, tensor_stage=tensor_stage, entropy=entropy)
+    return Pipeline(spec=spec, values=values, sparsifier=sparsifier, entropy=entropy)

@@ -1,85 +1,122 @@
-"""Tensor stages: lossless fp32 and blockwise absmax int8."""
+"""Blockwise absmax quantisation to 8, 4 or 2 bits, bit-packed, with optional stochastic rounding.
+
+Layout: one fp32 step per block, then the codes (int8 for 8 bits, packed unsigned otherwise).
+Grids: 8 and 4 bits are symmetric with an exact zero (codes -127..127 and -7..7); 2 bits would
+waste a quarter of its codes on a symmetric grid, so it uses the four levels ±a/3, ±a
+(``a`` = the block's absmax). Round to nearest: error <= step/2; stochastic: error < step.
+"""
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
 
+from geodiloco.compression.base import as_blocks, block_rows, n_blocks, reinterpret
+from geodiloco.compression.bits import pack_bits, packed_size, unpack_bits
 from geodiloco.compression.errors import CodecError
 
-
-def require_finite(x: torch.Tensor) -> None:
-    """Refuse NaN/Inf: a non-finite pseudo-gradient would poison every replica."""
-    if not bool(torch.isfinite(x).all()):
-        raise CodecError("tensor contains NaN or Inf")
+# bits -> (half-range in steps, code offset, largest code): value = (code - offset) * step
+_GRIDS: dict[int, tuple[float, float, int]] = {8: (127.0, 0.0, 127), 4: (7.0, 7.0, 14), 2: (1.5, 1.5, 3)}
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True, slots=True)
-class Fp32:
-    """Raw little-endian fp32: lossless, used for full-state transfer."""
+class BlockwiseAbsmax:
+    """``bits`` per element plus 32 bits per block of ``block`` elements.
 
-    name = "fp32"
-
-    def bits_per_param(self, numel: int) -> float:
-        return 32.0
-
-    def encoded_size(self, numel: int) -> int:
-        return 4 * numel
-
-    def encode(self, x: torch.Tensor) -> bytes:
-        require_finite(x)
-        return x.detach().to(torch.float32).contiguous().numpy().tobytes()
-
-    def decode(self, data: bytes, numel: int) -> torch.Tensor:
-        if len(data) != 4 * numel:
-            raise CodecError(f"fp32 payload is {len(data)} bytes, expected {4 * numel}")
-        out = torch.frombuffer(bytearray(data), dtype=torch.float32)
-        require_finite(out)
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class BlockwiseInt8:
-    """Per-block absmax scaling to int8.
-
-    Each block of ``block`` elements stores one fp32 scale; every element is off by at most
-    half a quantisation step, ``absmax(block) / 254``. Layout: scales, then int8 values.
+    With ``sr_seed`` set, rounding is stochastic (unbiased) but deterministic: the noise comes
+    from a generator seeded with ``sr_seed`` and a CRC of the input, so the same input gives
+    the same bytes, and different rounds get different noise.
     """
 
+    bits: int = 8
     block: int = 128
-    name = "q8"
+    sr_seed: int | None = None
 
-    def bits_per_param(self, numel: int) -> float:
-        return 8.0 * self.encoded_size(numel) / max(numel, 1)
+    def __post_init__(self) -> None:
+        if self.bits not in _GRIDS:
+            raise CodecError(f"blockwise quantisation supports {sorted(_GRIDS)} bits, not {self.bits}")
+        if not 1 <= self.block <= 1 << 20:
+            raise CodecError(f"q{self.bits} block size must be in [1, {1 << 20}], got {self.block}")
 
-    def n_blocks(self, numel: int) -> int:
-        return -(-numel // self.block)
+    @property
+    def spec(self) -> str:
+        sr = "" if self.sr_seed is None else f":sr={self.sr_seed}"
+        return f"q{self.bits}:{self.block}{sr}"
+
+    def _code_bytes(self, numel: int) -> int:
+        return numel if self.bits == 8 else packed_size(numel, self.bits)
 
     def encoded_size(self, numel: int) -> int:
-        return 4 * self.n_blocks(numel) + numel
+        return 4 * n_blocks(numel, self.block) + self._code_bytes(numel)
 
-    def encode(self, x: torch.Tensor) -> bytes:
-        x = x.detach().to(torch.float32).reshape(-1)
-        require_finite(x)
-        numel = x.numel()
-        padded = torch.nn.functional.pad(x, (0, self.n_blocks(numel) * self.block - numel))
-        blocks = padded.view(-1, self.block)
-        scale = blocks.abs().amax(dim=1) / 127.0
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-        return scale.numpy().tobytes() + q.reshape(-1)[:numel].numpy().tobytes()
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        numel, nb = x.numel(), n_blocks(x.numel(), self.block)
+        out = torch.empty(self.encoded_size(numel), dtype=torch.uint8)
+        step = out[: 4 * nb].view(torch.float32)
+        codes = out[4 * nb :].view(torch.int8) if self.bits == 8 else torch.empty(numel, dtype=torch.uint8)
+        for first, rows in block_rows(x, self.block):
+            start = first * self.block
+            dst = codes[start : start + rows.numel()]
+            dst.copy_(self._scale(x, first, rows, step[first : first + rows.shape[0]])[: dst.numel()])
+        if self.bits != 8:
+            out[4 * nb :].copy_(pack_bits(codes, self.bits))
+        return out
 
-    def decode(self, data: bytes, numel: int) -> torch.Tensor:
-        expected = self.encoded_size(numel)
-        if len(data) != expected:
-            raise CodecError(f"q8 payload is {len(data)} bytes, expected {expected} for {numel}")
-        nb = self.n_blocks(numel)
-        buf = bytearray(data)
-        scale = torch.frombuffer(buf, dtype=torch.float32, count=nb)
-        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
-            raise CodecError("q8 payload has a negative or non-finite block scale")
-        q = torch.frombuffer(buf, dtype=torch.int8, offset=4 * nb, count=numel)
-        pad = nb * self.block - numel
-        values = torch.nn.functional.pad(q.to(torch.float32), (0, pad)).view(nb, self.block)
-        return (values * scale[:, None]).reshape(-1)[:numel].contiguous()
+    def _scale(self, x: torch.Tensor, first: int, rows: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """Write the rows' steps into ``step``; return their codes as a flat float tensor."""
+        half, offset, top = _GRIDS[self.bits]
+        absmax = rows.abs().amax(dim=1)
+        if not bool(torch.isfinite(absmax).all()):  # NaN/Inf anywhere shows up in its block's absmax
+            raise CodecError("tensor contains NaN or Inf")
+        torch.div(absmax, half, out=step)
+        inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+        y = torch.mul(rows, inv[:, None])
+        if offset:
+            y.add_(offset)
+        if self.sr_seed is None:
+            y.round_()
+        else:
+            y.add_(self._noise(x, first, y.shape)).floor_().clamp_(-top if self.bits == 8 else 0, top)
+        return y.view(-1)
+
+    def _noise(self, x: torch.Tensor, first: int, shape: torch.Size) -> torch.Tensor:
+        seed = (self.sr_seed or 0) ^ zlib.crc32(x.contiguous().numpy().data) ^ first
+        return torch.rand(shape, generator=torch.Generator().manual_seed(seed))
+
+    def decode(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
+        half, offset, top = _GRIDS[self.bits]
+        if raw.numel() != self.encoded_size(numel):
+            raise CodecError(f"{self.spec}: {raw.numel()} bytes, expected {self.encoded_size(numel)}")
+        nb = n_blocks(numel, self.block)
+        step = reinterpret(raw[: 4 * nb], torch.float32)
+        if nb and not bool(((step >= 0) & (step <= FP32_MAX / half)).all()):
+            raise CodecError(f"{self.spec}: a block step is negative, too large or not finite")
+        if self.bits == 8:
+            codes = raw[4 * nb :].view(torch.int8)
+            if numel and int(codes.min()) < -top:
+                raise CodecError(f"{self.spec}: code -128 is outside the grid")
+        else:
+            codes = unpack_bits(raw[4 * nb :], self.bits, numel)
+            if numel and int(codes.max()) > top:
+                raise CodecError(f"{self.spec}: a code exceeds {top}")
+        out = torch.empty(numel, dtype=torch.float32)
+        full = numel // self.block * self.block
+        for lo, hi in ((0, full), (full, numel)):
+            if hi > lo:
+                values = out[lo:hi].copy_(codes[lo:hi]).view(-1, min(self.block, hi - lo))
+                if offset:
+                    values.sub_(offset)
+                values.mul_(step[lo // self.block :, None][: values.shape[0]])
+        return out
+
+    def error_bound(self, x: torch.Tensor) -> torch.Tensor:
+        half = _GRIDS[self.bits][0]
+        if x.numel() == 0:
+            return torch.zeros(0)
+        step = as_blocks(x, self.block).abs().amax(dim=1) / half
+        per_step = 1.0 if self.sr_seed is not None else 0.5
+        bound = (step * per_step * (1 + 1e-5)).repeat_interleave(self.block)[: x.numel()]
+        return bound + 1e-30

@@ -24,7 +24,7 @@ def test_json_roundtrip_is_lossless() -> None:
     [
         ("outer.optimizer=adam", "outer.optimizer: unknown value 'adam'; accepted: nesterov, fedavg"),
         ("outer.momentum=1.5", "outer.momentum"),
-        ("compression.uplink=q3", "compression.uplink: unknown tensor stage 'q3'"),
+        ("compression.uplink=q3", "compression.uplink: unknown codec stage 'q3'"),
         ("inner.steps_per_round=0", "inner.steps_per_round"),
         ('rounds="many"', "rounds: expected an integer"),
         ("model.d_model=30", "model.d_model (30) must be divisible by model.n_head"),

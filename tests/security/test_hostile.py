@@ -12,6 +12,8 @@ import grpc
 import pytest
 import torch
 
+from geodiloco.compression import envelope
+from geodiloco.compression.pipeline import parse_pipeline
 from geodiloco.security.chunks import seal_delta
 from geodiloco.security.secrets import load_secret
 from geodiloco.site.client import OuterSyncClient
@@ -89,8 +91,10 @@ def wrong_shape(c: CoordinatorThread, a: OuterSyncClient) -> grpc.RpcError:
 def wrong_dtype(c: CoordinatorThread, a: OuterSyncClient) -> grpc.RpcError:
     n = c.controller.num_params
     msgs = delta_messages(a, 0, small_delta(n), seal=False)
-    for m in msgs:  # half-precision bytes labelled as the run's fp32 codec
-        m.payload = torch.zeros(m.header.numel, dtype=torch.float16).numpy().tobytes()
+    tag = parse_pipeline(msgs[0].header.codec).tag
+    for m in msgs:  # half-precision bytes in a well-formed frame labelled as the run's fp32 codec
+        body = torch.zeros(m.header.numel, dtype=torch.float16).numpy().tobytes()
+        m.payload = envelope.seal(tag, m.header.numel, body)
     for m in msgs:
         assert a.keys is not None
         seal_delta(a.keys.up, m)
@@ -106,7 +110,10 @@ def non_finite(c: CoordinatorThread, a: OuterSyncClient) -> grpc.RpcError:
     msgs = delta_messages(a, 0, small_delta(c.controller.num_params), seal=False)
     values = torch.zeros(msgs[0].header.numel)
     values[5], values[9] = float("nan"), float("inf")
-    msgs[0].payload = values.numpy().tobytes()  # raw fp32: the site's encoder would refuse it
+    # a well-formed fp32 frame around non-finite values: the site's encoder would refuse them
+    msgs[0].payload = envelope.seal(
+        parse_pipeline(msgs[0].header.codec).tag, values.numel(), values.numpy().tobytes()
+    )
     for m in msgs:
         assert a.keys is not None
         seal_delta(a.keys.up, m)

@@ -1,0 +1,80 @@
+import pytest
+import torch
+from codec_strategies import tensors
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from geodiloco.compression import CodecError, known_stages, parse_pipeline
+
+LOSSY = [
+    "fp16",
+    "bf16",
+    "q8",
+    "q8:32|zstd:1",
+    "q4",
+    "q4:64:sr=3",
+    "q2",
+    "q2:32:sr",
+    "fp4",
+    "nf4:64",
+    "topk:0.05|q2|zstd:3",
+    "topk:0.1:256|q4",
+    "topk:0.02",
+]
+
+
+@settings(max_examples=40, deadline=None)
+@given(spec=st.sampled_from(["fp32|zstd:1", *LOSSY]), x=tensors())
+def test_roundtrip_is_within_the_stated_bound_and_deterministic(spec: str, x: torch.Tensor) -> None:
+    pipeline = parse_pipeline(spec)
+    data, y = pipeline.roundtrip(x)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert bool(((x - y).abs() <= pipeline.error_bound(x)).all())
+    assert pipeline.encode(x.clone()) == data  # same input, same bytes
+    assert torch.equal(pipeline.decode(data, x.numel()), y)  # what roundtrip returns is what receivers get
+    assert 8 * len(data) <= 8 * 64 + pipeline.bits_per_param(x.numel()) * max(x.numel(), 1)
+
+
+def test_canonical_spec_fills_in_defaults() -> None:
+    assert parse_pipeline(" topk:0.05 | q2 | zstd ").canonical == "topk:0.05|q2:128|zstd:3"
+    assert parse_pipeline("topk:0.1:256").canonical == "topk:0.1:256|fp32"
+    assert parse_pipeline("q4:64:sr=9").canonical == "q4:64:sr=9"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("q3|zstd", "unknown codec stage 'q3'.*known: fp32, fp16, bf16, q8, q4, q2, fp4, nf4"),
+        ("q8|gzip", "unknown codec stage 'gzip'.*topk \\(sparsifier, first\\); zstd"),
+        ("", "empty codec pipeline"),
+        ("zstd", "no value codec"),
+        ("q8|q4", "must be \\[sparsifier \\|\\] value codec"),
+        ("q8|topk:0.1", "must be"),
+        ("q8:1.5", "bad argument"),
+        ("q8:abc", "unknown option"),
+        ("q8:0", "block size"),
+        ("q8:64:rounding=up", "unknown option"),
+        ("topk", "needs a fraction"),
+        ("topk:1.5|q2", "fraction must be in"),
+        ("q8|zstd:99", "zstd level"),
+    ],
+)
+def test_bad_specs_are_refused_clearly(spec: str, message: str) -> None:
+    with pytest.raises(CodecError, match=message):
+        parse_pipeline(spec)
+
+
+def test_known_stages_cover_the_issue_codecs() -> None:
+    assert set(known_stages()) >= {"fp32", "fp16", "bf16", "q8", "q4", "q2", "fp4", "topk", "zstd"}
+
+
+def test_zstd_decompression_bomb_is_refused() -> None:
+    import zstandard
+
+    from geodiloco.compression import envelope
+
+    pipeline = parse_pipeline("q8|zstd")
+    bomb = zstandard.ZstdCompressor(level=1).compress(b"\0" * (64 << 20))  # 64 MiB of zeros
+    frame = envelope.seal(pipeline.tag, 1000, bomb)
+    with pytest.raises(CodecError, match="declares"):
+        pipeline.decode(frame, 1000)
