@@ -10,7 +10,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from geodiloco.compression import encode_chunks, parse_pipeline
+from geodiloco.compression import encode_chunks, envelope, parse_pipeline
 from geodiloco.params import state_hash
 from geodiloco.site.client import OuterSyncClient
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
@@ -132,12 +132,14 @@ def test_non_finite_pseudo_gradient_is_refused(coordinator: CoordinatorThread) -
     a = OuterSyncClient(coordinator.target, "site-a")
     a.join()
     msgs = push_messages(a, 0, torch.zeros(n), codec="q8|zstd:3")
-    raw = parse_pipeline("q8").encode(torch.zeros(n))
-    scales = bytearray(raw)
+    pipeline = parse_pipeline("q8|zstd:3")
+    numel = msgs[0].header.numel
+    scales = bytearray(pipeline.values.encode(torch.zeros(numel)).numpy().tobytes())
     scales[0:4] = torch.tensor([float("inf")]).numpy().tobytes()
     import zstandard
 
-    msgs[0].payload = zstandard.ZstdCompressor(level=3).compress(bytes(scales))
+    body = zstandard.ZstdCompressor(level=3).compress(bytes(scales))
+    msgs[0].payload = envelope.seal(pipeline.tag, numel, body)  # a well-framed chunk with a bad scale
     with pytest.raises(grpc.RpcError) as err:
         outer_sync_pb2_grpc.OuterSyncStub(a.channel).PushDelta(iter(msgs), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
