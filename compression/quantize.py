@@ -93,7 +93,7 @@ class BlockwiseAbsmax:
         nb = n_blocks(numel, self.block)
         step = reinterpret(raw[: 4 * nb], torch.float32)
         if nb and not bool(((step >= 0) & (step <= FP32_MAX / half)).all()):
-            raise CodecError(f"{self.spec}: a block step is negative, too large or not finite")
+            raise CodecError(f"{self.spec}: a block scale (step) is negative, too large or not finite")
         if self.bits == 8:
             codes = raw[4 * nb :].view(torch.int8)
             if numel and int(codes.min()) < -top:
