@@ -12,14 +12,15 @@ Throughput is in MB/s of fp32 input, best of ``--repeats``, next to ``memcpy_MBp
 (``dst.copy_(src)`` of the same tensor into a preallocated one) measured in the same run, before
 and after the pipelines (the larger kept). Everything runs on one thread.
 
-Extension point: ``WRAPPERS`` maps a column value to a (wrap, unwrap) pair applied to every
-encoded payload; the "sealed" column lists them (only "off" here; AEAD sealing adds "on").
+``WRAPPERS`` maps the "sealed" column's values to a (wrap, unwrap) pair applied to every
+encoded payload: "off", and "on" = AES-256-GCM sealing and opening as on the wire.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -30,7 +31,16 @@ import torch
 from geodiloco.compression import decode_chunks_into, encode_chunks, parse_pipeline
 from geodiloco.demo import DemoOptions, demo_config
 from geodiloco.params import flatten_parameters
-from geodiloco.workload import ShardReader, build_model, inner_step, load_corpus, make_inner_optimizer
+from geodiloco.security.sealing import NONCE_BYTES, Sealer
+from geodiloco.workload import (
+    DataRange,
+    DataShards,
+    build_model,
+    inner_step,
+    load_corpus,
+    make_inner_optimizer,
+    rank_batch,
+)
 
 PIPELINES = [
     "fp32",
@@ -65,7 +75,21 @@ LARGE_PIPELINES = ["q8", "q8|zstd:1", "q8|zstd:3"]
 CHUNK = 1 << 20
 
 Wrapper = tuple[Callable[[bytes], bytes], Callable[[bytes], bytes]]
-WRAPPERS: dict[str, Wrapper] = {"off": (lambda b: b, lambda b: b)}
+_SEALER = Sealer(os.urandom(32), key_id=1)
+_AAD = b"geodiloco chunk header: run, round, fragment, site, seq, start, numel, codec, key id"
+
+
+def _seal(payload: bytes) -> bytes:
+    nonce, sealed = _SEALER.seal(payload, _AAD)
+    return nonce + sealed
+
+
+def _open(data: bytes) -> bytes:
+    return _SEALER.open(data[:NONCE_BYTES], data[NONCE_BYTES:], _AAD)
+
+
+# "on": every encoded payload sealed with AES-256-GCM (as the wire does), and opened before decoding.
+WRAPPERS: dict[str, Wrapper] = {"off": (lambda b: b, lambda b: b), "on": (_seal, _open)}
 
 
 @dataclass(slots=True)
@@ -86,12 +110,11 @@ def pseudo_gradient(steps: int = 25) -> torch.Tensor:
     model = build_model(cfg.model, cfg.seed)
     optimizer = make_inner_optimizer(model, cfg.inner)
     corpus = load_corpus(cfg.data.paths, cfg.data.max_bytes, cfg.data.eval_fraction)
-    reader = ShardReader(
-        corpus, shard_index=0, shard_count=len(cfg.sites), seq_len=cfg.model.seq_len, seed=cfg.seed
-    )
+    shards = DataShards(corpus, count=cfg.data.shards, seq_len=cfg.model.seq_len, seed=cfg.seed)
+    windows = shards.windows([DataRange(0, 0, steps * cfg.data.batch_size)])
     theta0 = flatten_parameters(model).clone()
     for step in range(steps):
-        x, y = reader.batch(0, 1, cfg.data.batch_size)
+        x, y = rank_batch(windows, step, 0, 1, cfg.data.batch_size)
         inner_step(model, optimizer, cfg.inner, step, x, y)
     return theta0 - flatten_parameters(model)
 
