@@ -20,7 +20,7 @@ from helpers import free_port, ledger_problems, spawn_geodiloco, tiny_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-ROUNDS = 10
+ROUNDS = 40  # enough that the run is still going after the partition has healed
 
 
 def chaos_config() -> RunConfig:
@@ -92,13 +92,14 @@ def run(tmp_path: Path, chaos: bool) -> tuple[list[dict], object]:
             kill_group(sites["site-1"])  # mid-round: training, pushing or waiting for the update
             sites["site-1"] = start_site("site-1")
             wait_until(lambda: len(round_log(run_dir)) >= 4, 180, "round 4")
+            coordinator.send_signal(signal.SIGKILL)  # wherever it is: serving, committing, idle
+            coordinator.wait()
+            coordinator = spawn_geodiloco(serve, tmp_path / "coordinator.log")
+            wait_until(lambda: len(round_log(run_dir)) >= 6, 180, "round 6")
             proxies["site-2"].partition()
             time.sleep(cfg.lease_s + 2)  # longer than its lease: the others go on without it
             proxies["site-2"].heal()
-            wait_until(lambda: len(round_log(run_dir)) >= 6, 180, "round 6")
-            coordinator.send_signal(signal.SIGKILL)
-            coordinator.wait()
-            coordinator = spawn_geodiloco(serve, tmp_path / "coordinator.log")
+            assert len(round_log(run_dir)) < ROUNDS - 5, "the run ended before the partition healed"
         for name, proc in sites.items():
             assert proc.wait(timeout=400) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
         status = fetch_status(target, None)
