@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import subprocess
 import sys
@@ -176,3 +177,24 @@ def ledger_problems(round_log: list[dict[str, Any]], cfg: RunConfig) -> list[str
     ]
     assert records, "the round log records no data"
     return check_exactly_once(records, data_shard_sizes(cfg))
+
+
+def serve_args(config: Path, port: int, run_dir: Path) -> list[str]:
+    """`geodiloco` arguments for a plaintext loopback coordinator on a fixed port (restartable)."""
+    return [
+        "coordinator",
+        "serve",
+        "--config",
+        str(config),
+        "--port",
+        str(port),
+        "--run-dir",
+        str(run_dir),
+        "--insecure",
+    ]
+
+
+def round_log(run_dir: Path) -> list[dict[str, Any]]:
+    """The coordinator's committed rounds, as written to its run directory so far."""
+    path = run_dir / "rounds.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

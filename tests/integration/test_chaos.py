@@ -3,7 +3,6 @@ partitioned past its lease and healed, and the coordinator SIGKILLed and restart
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,7 +15,7 @@ import pytest
 from geodiloco.config import RunConfig
 from geodiloco.status import fetch_status, request_shutdown
 from geodiloco.wan import LinkConfig, ProxyThread
-from helpers import free_port, ledger_problems, spawn_geodiloco, tiny_config
+from helpers import free_port, ledger_problems, round_log, serve_args, spawn_geodiloco, tiny_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -33,11 +32,6 @@ def chaos_config() -> RunConfig:
         heartbeat_interval_s=0.5,
         round_timeout_s=20.0,
     )
-
-
-def round_log(run_dir: Path) -> list[dict]:
-    path = run_dir / "rounds.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -57,17 +51,7 @@ def run(tmp_path: Path, chaos: bool) -> tuple[list[dict], object]:
     config, run_dir, port = tmp_path / "run.json", tmp_path / "coord", free_port()
     config.write_text(cfg.to_json())
     target = f"127.0.0.1:{port}"
-    serve = [
-        "coordinator",
-        "serve",
-        "--config",
-        str(config),
-        "--port",
-        str(port),
-        "--run-dir",
-        str(run_dir),
-        "--insecure",
-    ]
+    serve = serve_args(config, port, run_dir)
     coordinator = spawn_geodiloco(serve, tmp_path / "coordinator.log")
     proxies = {name: ProxyThread(target, LinkConfig(latency_ms=5)) for name in cfg.sites}
 

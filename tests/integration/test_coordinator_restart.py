@@ -3,7 +3,6 @@ applied twice, and the sites (real processes) carry on to the end with identical
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from pathlib import Path
@@ -11,31 +10,13 @@ from pathlib import Path
 import pytest
 
 from geodiloco.status import fetch_status, request_shutdown
-from helpers import free_port, ledger_problems, spawn_geodiloco, tiny_config
+from helpers import free_port, ledger_problems, round_log, serve_args, spawn_geodiloco, tiny_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def serve(config: Path, port: int, run_dir: Path, log: Path) -> object:
-    return spawn_geodiloco(
-        [
-            "coordinator",
-            "serve",
-            "--config",
-            str(config),
-            "--port",
-            str(port),
-            "--run-dir",
-            str(run_dir),
-            "--insecure",
-        ],
-        log,
-    )
-
-
-def logged_rounds(run_dir: Path) -> list[dict]:
-    path = run_dir / "rounds.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return spawn_geodiloco(serve_args(config, port, run_dir), log)
 
 
 def test_coordinator_killed_mid_run_resumes_from_its_last_commit(tmp_path: Path) -> None:
@@ -54,18 +35,18 @@ def test_coordinator_killed_mid_run_resumes_from_its_last_commit(tmp_path: Path)
     ]
     try:
         deadline = time.monotonic() + 180
-        while len(logged_rounds(run_dir)) < 3:
+        while len(round_log(run_dir)) < 3:
             assert time.monotonic() < deadline, (tmp_path / "coordinator-1.log").read_text()[-2000:]
             time.sleep(0.05)
         coordinator.send_signal(signal.SIGKILL)
         coordinator.wait()
-        killed_at = len(logged_rounds(run_dir))
+        killed_at = len(round_log(run_dir))
         assert killed_at < rounds
         coordinator = serve(config, port, run_dir, tmp_path / "coordinator-2.log")
 
         for name, proc in zip(cfg.sites, sites, strict=True):
             assert proc.wait(timeout=300) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
-        log = logged_rounds(run_dir)
+        log = round_log(run_dir)
         assert [r["round"] for r in log] == list(range(rounds))  # contiguous, none lost or repeated
         assert len({r["state_hash"] for r in log}) == rounds
         assert ledger_problems(log, cfg) == []
