@@ -25,8 +25,11 @@ from geodiloco.coordinator.errors import (
     CoordinatorError,
     DeadlineExceeded,
     InvalidArgument,
+    LateContribution,
     ResourceExhausted,
 )
+from geodiloco.coordinator.journal import Journal
+from geodiloco.coordinator.metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.security.chunks import KeyMismatch, open_delta, seal_update
 from geodiloco.security.policy import Denied, ServerSecurity, is_admin, peer_identity, require_site
@@ -77,10 +80,18 @@ async def _next_chunk(chunks: AsyncIterator[Any], timeout_s: float) -> Any:
 
 
 class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
-    def __init__(self, controller: RoundController, security: ServerSecurity) -> None:
+    def __init__(
+        self,
+        controller: RoundController,
+        security: ServerSecurity,
+        metrics: CoordinatorMetrics | None = None,
+        journal: Journal | None = None,
+    ) -> None:
         self.c = controller
         self.security = security
         self.joins = RateLimiter(controller.cfg.limits.joins_per_minute)
+        self.metrics = metrics or CoordinatorMetrics(controller)
+        self.journal = journal or Journal(None)
 
     def _count(self, site: str, received: Message | None = None, sent: Message | None = None) -> None:
         self.c.count_bytes(
@@ -162,6 +173,16 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 request.eval_count,
                 _finite_or_zero(request.train_loss),
             )
+            self.journal.write(
+                "report",
+                site=request.site,
+                round=request.round,
+                eval_loss_sum=request.eval_loss_sum,
+                eval_count=request.eval_count,
+                train_loss=_finite_or_zero(request.train_loss),
+                tokens=request.tokens,
+                compute_s=_finite_or_zero(request.compute_seconds),
+            )
             return outer_sync_pb2.ReportResponse(hash_ok=ok, expected_hash=expected)
 
         return await self._unary("Report", request, context, handle)
@@ -174,8 +195,9 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         return await self._unary("Leave", request, context, handle)
 
     async def PushDelta(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
-        site, round_, fragment, payload_bytes = "", 0, 0, 0
+        site, round_, fragment, payload_bytes, wire_bytes = "", 0, 0, 0, 0
         timeout_s = self.c.cfg.limits.chunk_timeout_s
+        started = time.time()
         try:
             staging: torch.Tensor | None = None
             first: Any = None
@@ -190,6 +212,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                     if not duplicate:
                         staging = torch.empty(self.c.num_params, dtype=torch.float32)
                 self._count(site, received=chunk)
+                wire_bytes += chunk.ByteSize()
                 self._check_chunk(first, chunk, index, covered)
                 payload_bytes += len(chunk.payload)
                 if staging is not None:
@@ -213,12 +236,25 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 duplicate = not accepted
         except REFUSALS as exc:
             self.c.record_rejection(site, exc)
+            outcome = "late" if isinstance(exc, LateContribution) else "rejected"
+            self._pushed(site, round_, started, wire_bytes, outcome, _status(exc).name)
             await _abort(context, "PushDelta", site, exc)
+        self._pushed(site, round_, started, wire_bytes, "duplicate" if duplicate else "accepted")
+        if not duplicate:
+            self.metrics.push_compressed(site, covered, payload_bytes)
         ack = outer_sync_pb2.PushAck(
             round=round_, fragment=fragment, duplicate=duplicate, payload_bytes=payload_bytes
         )
         self._count(site, sent=ack)
         return ack
+
+    def _pushed(
+        self, site: str, round_: int, started: float, wire_bytes: int, outcome: str, reason: str = ""
+    ) -> None:
+        self.metrics.contribution(site, outcome, reason)
+        self.journal.write(
+            "push", site=site, round=round_, t0=started, t1=time.time(), bytes=wire_bytes, outcome=outcome
+        )
 
     def _open(self, chunk: Any) -> bytes:
         if self.security.keyring is None:
@@ -264,6 +300,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
 
     async def PullUpdate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         kind = request.kind
+        requested = time.time()
         try:
             require_site(self.security, context, request.site)
             self._count(request.site, received=request)
@@ -284,6 +321,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         except REFUSALS as exc:
             await _abort(context, "PullUpdate", request.site, exc)
         keys = self.security.keyring.site(request.site) if self.security.keyring else None
+        ready, sent = time.time(), 0
         for seq, chunk in enumerate(chunks):
             message = outer_sync_pb2.UpdateChunk(
                 header=outer_sync_pb2.ChunkHeader(
@@ -307,7 +345,18 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             if keys is not None:
                 seal_update(keys.down, message)
             self._count(request.site, sent=message)
+            sent += message.ByteSize()
             yield message
+        self.journal.write(
+            "pull",
+            site=request.site,
+            round=round_,
+            kind="full_state" if kind == outer_sync_pb2.PullRequest.FULL_STATE else "update",
+            t0=requested,
+            t_ready=ready,
+            t1=time.time(),
+            bytes=sent,
+        )
 
     async def _wait_for_update(self, round_: int, site: str) -> Any:
         """The server's own bound on a pull's wait, whatever deadline the client set."""

@@ -15,8 +15,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from geodiloco import logs
 from geodiloco.distributed import init_distributed, shutdown_distributed
+from geodiloco.lifecycle import GracefulStop
 from geodiloco.logs import setup_logging
+from geodiloco.metrics import SiteTelemetry
 from geodiloco.security.secrets import load_secret
 from geodiloco.security.tls import TlsFiles
 from geodiloco.site.outer_sync import OuterSync
@@ -39,6 +42,11 @@ def train(coordinator: str, site: str, tls: TlsFiles | None, site_secret: bytes 
     rank, world = init_distributed()
     sync = OuterSync.connect(coordinator, site, world_size=world, tls=tls, site_secret=site_secret)
     cfg = sync.config
+    logs.bind(run=sync.info.run_id, round=lambda: sync.round)  # ops: run/round on every log line
+    stop = GracefulStop.install()  # ops: SIGTERM leaves at the next step
+    telemetry = SiteTelemetry.start(  # ops: metrics and progress (rank 0)
+        site, rank, cfg.rounds * cfg.inner.steps_per_round, lambda: (sync.bytes_sent, sync.bytes_received)
+    )
     model = sync.attach(build_model(cfg.model, cfg.seed))
     ddp = DDP(model)
     optimizer = make_inner_optimizer(model, cfg.inner)
@@ -53,14 +61,22 @@ def train(coordinator: str, site: str, tls: TlsFiles | None, site_secret: bytes 
     losses: list[float] = []
     started = time.perf_counter()
     while not sync.finished:
+        if stop.requested():  # ops: all ranks agree, then leave
+            break
         if sync.steps_in_round == 0:
             windows = shards.windows(sync.data)  # the ledger's share of data for this round
         step = sync.round * cfg.inner.steps_per_round + sync.steps_in_round
         x, y = rank_batch(windows, sync.steps_in_round, rank, world, cfg.data.batch_size)
+        step_started = time.perf_counter()  # ops
         losses.append(inner_step(ddp, optimizer, cfg.inner, step, x, y))
+        telemetry.step(
+            time.perf_counter() - step_started, tokens_per_step * world, sync.round, step + 1
+        )  # ops
         compute_s = time.perf_counter() - started
+        sync_started = time.perf_counter()  # ops
         if not sync.step(tokens=tokens_per_step):
             continue
+        sync_s = time.perf_counter() - sync_started  # ops
         eval_sum, eval_count = evaluate(model, my_eval)
         totals = torch.tensor([eval_sum, float(eval_count), sum(losses) / len(losses)], dtype=torch.float64)
         dist.all_reduce(totals)
@@ -72,9 +88,15 @@ def train(coordinator: str, site: str, tls: TlsFiles | None, site_secret: bytes 
                 float(totals[2]) / world,
                 float(totals[0] / totals[1]),
             )
+        telemetry.round(  # ops
+            train_loss=float(totals[2]) / world,
+            eval_loss=float(totals[0] / totals[1]),
+            sync_seconds=sync_s,
+        )
         losses.clear()
         started = time.perf_counter()
-    sync.close("finished")
+    sync.close(stop.reason)  # ops: "finished" or "stopped by SIGTERM"
+    telemetry.close()  # ops
     del ddp
     shutdown_distributed()
 
