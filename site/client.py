@@ -22,6 +22,7 @@ import torch
 
 from geodiloco import __version__
 from geodiloco.compression import CodecError, EncodedChunk, decode_chunks_into, parse_pipeline
+from geodiloco.progress import Progress
 from geodiloco.security.chunks import KeyMismatch, open_update, seal_delta
 from geodiloco.security.sealing import SiteKeys
 from geodiloco.security.tls import TlsFiles, open_channel
@@ -295,11 +296,17 @@ class OuterSyncClient:
             if first is None:
                 raise CodecError("the coordinator sent an empty update stream")
             last = first
+            total = max(1, first.total_chunks)
+            shown = (
+                Progress(f"state transfer of round {first.next_round}", total) if full_state else None
+            )  # ops
 
             def chunks() -> Iterator[EncodedChunk]:
                 nonlocal last
                 for msg in itertools.chain([first], stream):
                     self._count(received=msg)
+                    if shown is not None:
+                        shown.advance(note=f"{self.bytes_received:,} bytes received")  # ops
                     if msg.header.codec != first.header.codec:
                         raise CodecError("codec changed in the middle of an update stream")
                     last = msg
@@ -308,6 +315,8 @@ class OuterSyncClient:
 
             out = torch.empty(num_params, dtype=torch.float32)
             decode_chunks_into(parse_pipeline(first.header.codec), chunks(), out)
+            if shown is not None:
+                shown.close()  # ops
             self.assigned = ranges_from_proto(last.data)
             return PulledState(
                 is_full_state=last.kind == outer_sync_pb2.PullRequest.FULL_STATE,
