@@ -82,8 +82,12 @@ class _ControllerCollector:
             labels=["site", "direction"],
         )
         up = GaugeMetricFamily("geodiloco_site_up", "1 while the site holds a lease", labels=["site"])
-        train = GaugeMetricFamily("geodiloco_site_train_loss", "Last reported train loss", labels=["site"])
-        evals = GaugeMetricFamily("geodiloco_site_eval_loss", "Last eval loss on its slice", labels=["site"])
+        train = GaugeMetricFamily(
+            "geodiloco_reported_train_loss", "Site's last reported train loss", labels=["site"]
+        )
+        evals = GaugeMetricFamily(
+            "geodiloco_reported_eval_loss", "Site's last reported eval loss, on its slice", labels=["site"]
+        )
         for s in sites:
             wan.add_metric([s.name, "up"], s.bytes_in)
             wan.add_metric([s.name, "down"], s.bytes_out)

@@ -199,7 +199,7 @@ def test_coordinator_metrics_agree_with_the_run(run: RunRecord) -> None:
             value(s, "geodiloco_contributions_total", site=site.site, outcome="accepted", reason="") == ROUNDS
         )
         assert value(s, "geodiloco_site_up", site=site.site) == 0  # both left
-        assert value(s, "geodiloco_site_train_loss", site=site.site) == pytest.approx(site.train_loss)
+        assert value(s, "geodiloco_reported_train_loss", site=site.site) == pytest.approx(site.train_loss)
         assert value(s, "geodiloco_uplink_compression_ratio", site=site.site) > 3.5  # q8|zstd: ~4x
     # the number the demo's summary reports as diloco.wan_bytes
     assert total == status.wan_bytes_in + status.wan_bytes_out
