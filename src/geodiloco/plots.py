@@ -78,6 +78,10 @@ def bytes_plot(run: RunLog, path: Path) -> Plot:
     down = [run.bytes_down.get(r, 0) / 1e6 for r in rounds]
     ax.bar([r - width / 2 for r in rounds], up, width, label="up (sites to coordinator)")
     ax.bar([r + width / 2 for r in rounds], down, width, label="down (coordinator to sites)")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(0, max([*up, *down, 1e-6]) * 1.25)  # room for the legend above the bars
     ax.set_xlabel("round")
     ax.set_ylabel("MB")
     ax.set_title("WAN bytes per round, by direction")
@@ -99,7 +103,7 @@ def timeline_plot(run: RunLog, path: Path) -> Plot:
     for kind in kinds:  # one legend entry per kind
         ax.bar(0, 0, color=SPAN_COLOURS[kind], label=kind)
     ax.set_yticks(range(len(names)), names)
-    ax.set_xlabel("seconds since the run's first event (coordinator clock)")
+    ax.set_xlabel("seconds since the first site started computing (coordinator clock)")
     ax.set_title("Round timeline per site")
     ax.grid(alpha=0.3, axis="x")
     ax.legend(loc="upper right")

@@ -23,7 +23,7 @@ class RunLogError(ValueError):
 
 @dataclass(slots=True)
 class Span:
-    """Part of a site's round on the coordinator's clock (seconds since the run's first event)."""
+    """Part of a site's round on the coordinator's clock (seconds since the first thing seen)."""
 
     kind: str  # compute, transfer or waiting
     start: float
@@ -94,10 +94,15 @@ def _assemble(directory: Path, rounds: list[dict[str, Any]], events: list[dict[s
         {c for r in rounds for c in r["contributors"]} | {e["site"] for e in events if e.get("site")}
     )
     sites = {name: SiteSeries(name) for name in names}
-    origin = min([e.get("t0", e["t"]) for e in events], default=0.0)
     pushes = {
         (e["site"], e["round"]): e for e in events if e["event"] == "push" and e["outcome"] == "accepted"
     }
+    computing = [
+        pushes[(e["site"], e["round"])]["t0"] - e["compute_s"]
+        for e in events
+        if e["event"] == "report" and (e["site"], e["round"]) in pushes
+    ]
+    origin = min([*(e.get("t0", e["t"]) for e in events), *computing], default=0.0)
     bytes_up: dict[int, int] = defaultdict(int)
     bytes_down: dict[int, int] = defaultdict(int)
     loss_sums: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
