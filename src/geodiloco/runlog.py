@@ -97,12 +97,6 @@ def _assemble(directory: Path, rounds: list[dict[str, Any]], events: list[dict[s
     pushes = {
         (e["site"], e["round"]): e for e in events if e["event"] == "push" and e["outcome"] == "accepted"
     }
-    computing = [
-        pushes[(e["site"], e["round"])]["t0"] - e["compute_s"]
-        for e in events
-        if e["event"] == "report" and (e["site"], e["round"]) in pushes
-    ]
-    origin = min([*(e.get("t0", e["t"]) for e in events), *computing], default=0.0)
     bytes_up: dict[int, int] = defaultdict(int)
     bytes_down: dict[int, int] = defaultdict(int)
     loss_sums: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
@@ -116,16 +110,16 @@ def _assemble(directory: Path, rounds: list[dict[str, Any]], events: list[dict[s
             site.bytes_up += e["bytes"]
             bytes_up[e["round"]] += e["bytes"]
             if e["outcome"] == "accepted":
-                site.spans.append(Span("transfer", e["t0"] - origin, e["t1"] - e["t0"]))
+                site.spans.append(Span("transfer", e["t0"], e["t1"] - e["t0"]))
         elif kind == "pull":
             site.bytes_down += e["bytes"]
             bytes_down[e["round"]] += e["bytes"]
-            site.spans.append(Span("waiting", e["t0"] - origin, e["t_ready"] - e["t0"]))
-            site.spans.append(Span("transfer", e["t_ready"] - origin, e["t1"] - e["t_ready"]))
+            site.spans.append(Span("waiting", e["t0"], e["t_ready"] - e["t0"]))
+            site.spans.append(Span("transfer", e["t_ready"], e["t1"] - e["t_ready"]))
         elif kind == "report":
             push = pushes.get((site.name, e["round"]))
             if push is not None and e["compute_s"] > 0:
-                site.spans.append(Span("compute", push["t0"] - origin - e["compute_s"], e["compute_s"]))
+                site.spans.append(Span("compute", push["t0"] - e["compute_s"], e["compute_s"]))
             if e["eval_count"]:
                 site.rounds.append(e["round"])
                 site.tokens.append((site.tokens[-1] if site.tokens else 0) + e["tokens"])
@@ -134,6 +128,10 @@ def _assemble(directory: Path, rounds: list[dict[str, Any]], events: list[dict[s
                 loss_sums[e["round"]][1] += e["eval_count"]
         elif kind == "lease_expired":
             site.lease_expiries += 1
+    origin = min((s.start for site in sites.values() for s in site.spans), default=0.0)
+    for site in sites.values():  # wall-clock times become seconds since the first span began
+        for span in site.spans:
+            span.start -= origin
     cumulative, total = [], 0
     for r in rounds:
         total += r["tokens"]
