@@ -100,8 +100,11 @@ def test_metrics_port_in_use_is_refused_before_serving(tmp_path: Path) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         result = geodiloco("coordinator", "serve", "--insecure", "--port", "0", "--metrics-port", str(port))
+        site = geodiloco("site", "run", "--name", "x", "--insecure", "--metrics-port", str(port))
     assert result.returncode == 2
     assert f"metrics: cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert site.returncode == 2
+    assert f"geodiloco site: --metrics-port: cannot listen on 127.0.0.1:{port}" in site.stderr
 
 
 @pytest.mark.integration

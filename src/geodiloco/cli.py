@@ -263,6 +263,17 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_bindable(flag: str, host: str, port: int) -> None:
+    """Refuse a busy port here, with the flag's name, not later in a rank's traceback."""
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def _site_run(args: argparse.Namespace) -> int:
     from geodiloco.metrics import HOST_ENV, PORT_ENV
     from geodiloco.security.secrets import load_secret
@@ -277,6 +288,7 @@ def _site_run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     if args.metrics_port is not None:  # read by rank 0 (geodiloco.metrics.SiteTelemetry)
+        _check_bindable("--metrics-port", args.metrics_host, args.metrics_port)
         os.environ[PORT_ENV], os.environ[HOST_ENV] = str(args.metrics_port), args.metrics_host
     return run_site(args.coordinator, args.name, args.nproc, tls, args.secret)
 
