@@ -16,6 +16,8 @@ from typing import Any
 from geodiloco.coordinator.journal import EVENTS_FILE
 from geodiloco.coordinator.rounds import ROUND_LOG
 
+CONTRIBUTING = ("accepted", "part")  # push outcomes that carried a contribution's bytes
+
 
 class RunLogError(ValueError):
     """The directory is not a run directory, or its logs cannot be read."""
@@ -94,9 +96,13 @@ def _assemble(directory: Path, rounds: list[dict[str, Any]], events: list[dict[s
         {c for r in rounds for c in r["contributors"]} | {e["site"] for e in events if e.get("site")}
     )
     sites = {name: SiteSeries(name) for name in names}
-    pushes = {
-        (e["site"], e["round"]): e for e in events if e["event"] == "push" and e["outcome"] == "accepted"
-    }
+    # when each site's contribution to a round began to stream (sites that push per rank send
+    # several parts; the one that completes it is "accepted", the others "part")
+    push_started: dict[tuple[str, int], float] = {}
+    for e in events:
+        if e["event"] == "push" and e["outcome"] in CONTRIBUTING:
+            key = (e["site"], e["round"])
+            push_started[key] = min(e["t0"], push_started.get(key, e["t0"]))
     bytes_up: dict[int, int] = defaultdict(int)
     bytes_down: dict[int, int] = defaultdict(int)
     loss_sums: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
@@ -109,7 +115,7 @@ def _assemble(directory: Path, rounds: list[dict[str, Any]], events: list[dict[s
             site.outcomes[e["outcome"]] += 1
             site.bytes_up += e["bytes"]
             bytes_up[e["round"]] += e["bytes"]
-            if e["outcome"] == "accepted":
+            if e["outcome"] in CONTRIBUTING:
                 site.spans.append(Span("transfer", e["t0"], e["t1"] - e["t0"]))
         elif kind == "pull":
             site.bytes_down += e["bytes"]
@@ -117,9 +123,9 @@ def _assemble(directory: Path, rounds: list[dict[str, Any]], events: list[dict[s
             site.spans.append(Span("waiting", e["t0"], e["t_ready"] - e["t0"]))
             site.spans.append(Span("transfer", e["t_ready"], e["t1"] - e["t_ready"]))
         elif kind == "report":
-            push = pushes.get((site.name, e["round"]))
-            if push is not None and e["compute_s"] > 0:
-                site.spans.append(Span("compute", push["t0"] - e["compute_s"], e["compute_s"]))
+            began = push_started.get((site.name, e["round"]))
+            if began is not None and e["compute_s"] > 0:
+                site.spans.append(Span("compute", began - e["compute_s"], e["compute_s"]))
             if e["eval_count"]:
                 site.rounds.append(e["round"])
                 site.tokens.append((site.tokens[-1] if site.tokens else 0) + e["tokens"])

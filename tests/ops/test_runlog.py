@@ -56,7 +56,8 @@ def test_spans_bytes_and_losses_per_site_and_round(tmp_path: Path) -> None:
         _report("b", 0, 10.0, compute_s=0.5),
         _push("b", 0, t + 9, t + 9, 42, outcome="late"),
         {"event": "lease_expired", "t": t + 20, "site": "b", "round": 1},
-        _push("a", 1, t + 20, t + 21, 41),
+        _push("a", 1, t + 20.5, t + 21, 21),
+        _push("a", 1, t + 20, t + 20.5, 20, outcome="part"),  # a rank's share, streamed first
         _report("a", 1, 4.0, compute_s=10.0),
     ]
     _write(run / "events.jsonl", events)
@@ -67,6 +68,7 @@ def test_spans_bytes_and_losses_per_site_and_round(tmp_path: Path) -> None:
     assert a.tokens == [100, 200] and a.eval_loss == [3.0, 2.0] and b.eval_loss == [5.0]
     assert log.global_tokens == [200, 300] and log.global_eval_loss == [4.0, 2.0]
     assert b.outcomes == {"accepted": 1, "late": 1} and b.lease_expiries == 1
+    assert a.outcomes == {"accepted": 2, "part": 1}
     # the origin is the earliest compute start: a's round 0 began 3 s before its push at t+4
     assert (a.seconds("compute"), a.seconds("transfer"), a.seconds("waiting")) == (13.0, 3.0, 1.0)
     assert min(s.start for site in log.sites.values() for s in site.spans) == 0.0
