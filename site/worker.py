@@ -6,20 +6,31 @@ Reads top to bottom: join, build, attach, then H inner steps and one outer sync 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+import geodiloco.site.checkpoint as checkpoint
 from geodiloco.distributed import init_distributed, shutdown_distributed
 from geodiloco.logs import setup_logging
 from geodiloco.security.secrets import load_secret
 from geodiloco.security.tls import TlsFiles
-from geodiloco.site.outer_sync import OuterSync
+from geodiloco.site.layout import (
+    PRECISIONS,
+    ParallelConfig,
+    build_mesh,
+    data_parallel_rank,
+    layout_summary,
+    parallelize,
+)
+from geodiloco.site.outer_sync import Outcome, OuterSync
 from geodiloco.workload import (
     DataShards,
     build_model,
@@ -35,35 +46,112 @@ from geodiloco.workload import (
 log = logging.getLogger("geodiloco.site")
 
 
-def train(coordinator: str, site: str, tls: TlsFiles | None, site_secret: bytes | None) -> None:
+@dataclass(frozen=True, slots=True)
+class SiteOptions:
+    """How this site runs, beside the run's own config (which the coordinator sends)."""
+
+    layout: ParallelConfig
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0  # rounds; 0: only on SIGTERM (when checkpoint_dir is set)
+
+
+class StopFlag:
+    """Set by SIGTERM; the ranks agree on it between inner steps, then checkpoint and leave."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._set)
+
+    def _set(self, _signum: int, _frame: object) -> None:
+        self.requested = True
+
+
+def resume(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sync: OuterSync) -> None:
+    """Load a checkpoint; continue mid-round only if the coordinator is still at that round with
+    the same θ_r and data, else keep the optimizer and residual and take the global state."""
+    global_round, global_hash, global_data = sync.round, sync.digest(sync.snapshot), sync.data
+    meta = checkpoint.load(path, model, optimizer, sync)
+    loaded = {
+        "checkpoint": str(path),
+        "state_hash": sync.digest(sync.snapshot),
+        "params_hash": sync.digest(),
+        "residual_hash": checkpoint.residual_digest(sync),
+        "ranks": sync.group.world,
+    }
+    if sync.group.rank == 0:
+        (path / "resumed.json").write_text(json.dumps(loaded, indent=2))
+    current = (meta.round, meta.state_hash, sync.data) == (global_round, global_hash, global_data)
+    if not current:
+        log.warning(
+            "checkpoint of round %d is behind the run (round %d); taking the global state",
+            meta.round,
+            global_round,
+        )
+        sync.reload_global_state()
+    log.info(
+        "resumed from %s (round %d, step %d, %d ranks before, %d now)",
+        path.name,
+        sync.round,
+        sync.steps_in_round,
+        meta.ranks,
+        sync.group.world,
+    )
+
+
+def train(
+    coordinator: str, site: str, tls: TlsFiles | None, site_secret: bytes | None, options: SiteOptions
+) -> None:
     rank, world = init_distributed()
-    sync = OuterSync.connect(coordinator, site, world_size=world, tls=tls, site_secret=site_secret)
+    layout = options.layout
+    stop = StopFlag()
+    mesh = build_mesh(layout)
+    sync = OuterSync.connect(
+        coordinator, site, tls=tls, site_secret=site_secret, data_parallel_size=layout.data_parallel
+    )
     cfg = sync.config
-    model = sync.attach(build_model(cfg.model, cfg.seed))
-    ddp = DDP(model)
+    model = build_model(cfg.model, cfg.seed)
+    trained = parallelize(model, layout, mesh)
+    sync.attach(model)
+    if rank == 0:
+        log.info("layout: %s", layout_summary(layout))
     optimizer = make_inner_optimizer(model, cfg.inner)
+    found = checkpoint.latest(options.checkpoint_dir) if options.checkpoint_dir else None
+    if found is not None and not sync.finished:
+        resume(found, model, optimizer, sync)
     corpus = load_corpus(cfg.data.paths, cfg.data.max_bytes, cfg.data.eval_fraction)
     shards = DataShards(corpus, count=cfg.data.shards, seq_len=cfg.model.seq_len, seed=cfg.seed)
-    my_eval = eval_slice(
+    dp_rank, dp = data_parallel_rank(mesh), layout.data_parallel
+    site_eval = eval_slice(
         eval_windows(corpus, cfg.data.eval_sequences, cfg.model.seq_len),
-        part=sync.shard_index * world + rank,
-        parts=sync.shard_count * world,
+        part=sync.shard_index,
+        parts=sync.shard_count,
     )
+    my_eval = eval_slice(site_eval, part=dp_rank, parts=dp)
     tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
     losses: list[float] = []
     started = time.perf_counter()
+    windows = shards.windows(sync.data)
     while not sync.finished:
+        if sync.group.agree(Outcome.FAILED if stop.requested else Outcome.OK) is Outcome.FAILED:
+            if options.checkpoint_dir is not None:
+                checkpoint.save(options.checkpoint_dir, model, optimizer, sync, layout.name)
+            log.warning("SIGTERM: leaving the run at round %d step %d", sync.round, sync.steps_in_round)
+            sync.close("terminated")
+            del trained
+            shutdown_distributed()
+            return
         if sync.steps_in_round == 0:
             windows = shards.windows(sync.data)  # the ledger's share of data for this round
         step = sync.round * cfg.inner.steps_per_round + sync.steps_in_round
-        x, y = rank_batch(windows, sync.steps_in_round, rank, world, cfg.data.batch_size)
-        losses.append(inner_step(ddp, optimizer, cfg.inner, step, x, y))
+        x, y = rank_batch(windows, sync.steps_in_round, dp_rank, dp, cfg.data.batch_size)
+        losses.append(inner_step(trained, optimizer, cfg.inner, step, x, y))
         compute_s = time.perf_counter() - started
         if not sync.step(tokens=tokens_per_step):
             continue
-        eval_sum, eval_count = evaluate(model, my_eval)
+        eval_sum, eval_count = evaluate(trained, my_eval)
         totals = torch.tensor([eval_sum, float(eval_count), sum(losses) / len(losses)], dtype=torch.float64)
         dist.all_reduce(totals)
+        totals[:2] /= layout.tp  # tensor-parallel ranks evaluated the same slice
         sync.report(float(totals[0]), int(totals[1]), float(totals[2]) / world, compute_s)
         if rank == 0:
             log.info(
@@ -73,9 +161,12 @@ def train(coordinator: str, site: str, tls: TlsFiles | None, site_secret: bytes 
                 float(totals[0] / totals[1]),
             )
         losses.clear()
+        every = options.checkpoint_every
+        if options.checkpoint_dir is not None and every and sync.round % every == 0 and not sync.finished:
+            checkpoint.save(options.checkpoint_dir, model, optimizer, sync, layout.name)
         started = time.perf_counter()
     sync.close("finished")
-    del ddp
+    del trained
     shutdown_distributed()
 
 
@@ -85,12 +176,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--site", required=True)
     parser.add_argument("--tls", nargs=3, type=Path, metavar=("CERT", "KEY", "CA"))
     parser.add_argument("--secret", type=Path)
+    parser.add_argument("--layout", default="ddp", help="ddp, fsdp, hsdp, tp, fsdp+tp or dp_replicate=R,...")
+    parser.add_argument("--mixed-precision", default="fp32", choices=PRECISIONS)
+    parser.add_argument("--checkpoint-dir", type=Path)
+    parser.add_argument("--checkpoint-every", type=int, default=0)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(site=args.site, rank=rank)
-    tls = TlsFiles(*args.tls) if args.tls and rank == 0 else None
-    secret = load_secret(args.secret) if args.secret and rank == 0 else None  # only rank 0 talks
-    train(args.coordinator, args.site, tls, secret)
+    layout = ParallelConfig.parse(args.layout, int(os.environ.get("WORLD_SIZE", "1")), args.mixed_precision)
+    tls = TlsFiles(*args.tls) if args.tls else None
+    secret = load_secret(args.secret) if args.secret else None  # every rank pushes its own part
+    options = SiteOptions(layout, args.checkpoint_dir, args.checkpoint_every)
+    train(args.coordinator, args.site, tls, secret, options)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--name", required=True, help="this site's name, as listed in the run's config")
     run.add_argument("--coordinator", default=DEFAULT_TARGET, help=f"host:port (default {DEFAULT_TARGET})")
     run.add_argument("--nproc", type=_positive_int, default=2, help="local ranks (default 2)")
+    run.add_argument(
+        "--layout",
+        default="ddp",
+        help="parallel layout of the ranks: ddp (default), fsdp, hsdp, tp, fsdp+tp, or "
+        "dp_replicate=R,dp_shard=S,tp=T (product = --nproc)",
+    )
+    run.add_argument(
+        "--mixed-precision", default="fp32", choices=("fp32", "bf16"), help="FSDP2 parameter dtype"
+    )
+    run.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="torch.distributed.checkpoint of the site's state; resumed on start",
+    )
+    run.add_argument(
+        "--checkpoint-every",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="checkpoint every N rounds (default: only on SIGTERM)",
+    )
     _add_tls_args(run, "site")
     run.add_argument("--secret", type=Path, help="this site's secret file (site-NAME.secret) for sealing")
 
@@ -208,7 +229,19 @@ def _site_run(args: argparse.Namespace) -> int:
             load_secret(args.secret)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-    return run_site(args.coordinator, args.name, args.nproc, tls, args.secret)
+    from geodiloco.site.layout import LayoutError, ParallelConfig
+
+    try:
+        ParallelConfig.parse(args.layout, args.nproc, args.mixed_precision)
+    except LayoutError as exc:
+        raise UsageError(f"--{exc}") from None
+    extra = ["--layout", args.layout, "--mixed-precision", args.mixed_precision]
+    if args.checkpoint_every and args.checkpoint_dir is None:
+        raise UsageError("--checkpoint-every needs --checkpoint-dir")
+    if args.checkpoint_dir is not None:
+        extra += ["--checkpoint-dir", str(args.checkpoint_dir.resolve())]
+        extra += ["--checkpoint-every", str(args.checkpoint_every or 0)]
+    return run_site(args.coordinator, args.name, args.nproc, tls, args.secret, extra)
 
 
 def _certs(args: argparse.Namespace) -> int:
