@@ -6,10 +6,12 @@ Reads top to bottom: join, build, attach, then H inner steps and one outer sync 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,7 @@ from geodiloco.workload import (
 )
 
 log = logging.getLogger("geodiloco.site")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +173,17 @@ def train(
     shutdown_distributed()
 
 
+def die_with_parent() -> None:
+    """torchrun starts ranks in their own sessions: if it is killed outright (SIGKILL, OOM),
+    make the kernel kill its ranks too rather than leave them training as orphans."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one rank of a geodiloco site (run by torchrun)")
     parser.add_argument("--coordinator", required=True)
@@ -181,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-dir", type=Path)
     parser.add_argument("--checkpoint-every", type=int, default=0)
     args = parser.parse_args(argv)
+    die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(site=args.site, rank=rank)
     layout = ParallelConfig.parse(args.layout, int(os.environ.get("WORLD_SIZE", "1")), args.mixed_precision)
