@@ -48,6 +48,7 @@ from geodiloco.site.shards import ShardMap, subview
 log = logging.getLogger("geodiloco.site")
 
 MAX_EXCHANGES = 5
+CATCH_UP_ROUNDS = 2  # missed rounds caught up through kept updates (q8: ~1 byte/param each, state ~4)
 T = TypeVar("T")
 
 
@@ -260,8 +261,9 @@ class OuterSync:
         tokens = self.group.sum(self.tokens_in_round) // max(replication, 1)
         closed = self.round
         chunks = self._encode_delta()
-        pulled = self._exchange(closed, chunks, tokens)
-        self._apply(pulled)
+        pulled, applied = self._exchange(closed, chunks, tokens)
+        if not applied:
+            self._apply(pulled)
         digest = self.digest(self.snapshot)
         if self.group.rank == 0 and digest != pulled.state_hash:
             log.error(
@@ -306,7 +308,7 @@ class OuterSync:
             (log.error if outcome is Outcome.FAILED else log.warning)("rank %d: %s", self.group.rank, detail)
             return None, outcome
 
-    def _exchange(self, round_: int, chunks: list[WireChunk], tokens: int) -> PulledPart:
+    def _exchange(self, round_: int, chunks: list[WireChunk], tokens: int) -> tuple[PulledPart, bool]:
         """Push (idempotent) and pull the round's update, all ranks together.
 
         Recovers from a restarted coordinator that lost the uncommitted contribution (ABORTED:
@@ -335,7 +337,10 @@ class OuterSync:
             elif not resync:
                 self.group.agree(Outcome.OK)  # a rank that owns nothing still takes part
             if resync:
-                self._rejoin()
+                current, _ = self._rejoin()
+                caught = self._catch_up(round_, current)
+                if caught is not None:
+                    return caught, True
             pulled, outcome = self._call(functools.partial(self._pull, round_, resync))
             outcome = self.group.agree(outcome)
             if outcome is Outcome.FAILED:
@@ -355,18 +360,39 @@ class OuterSync:
             if not (pulled.finished or pulled.data):
                 # the round committed while this site was counted lost: no data is reserved for it
                 log.warning("round %d: no data assigned (lease lapsed); rejoining", round_)
-                return dataclasses.replace(pulled, data=self._rejoin())
-            return pulled
+                return dataclasses.replace(pulled, data=self._rejoin()[1]), False
+            return pulled, False
         raise RuntimeError(f"round {round_}: no update after {MAX_EXCHANGES} attempts")
 
-    def _rejoin(self) -> list[Any]:
-        """Rank 0 joins again; every rank learns the data the coordinator now assigns."""
+    def _rejoin(self) -> tuple[int, list[Any]]:
+        """Rank 0 joins again; every rank learns the current round and the data it now has."""
         info, outcome = (None, Outcome.OK)
         if self.group.rank == 0:
             info, outcome = self._call(lambda: self.client.join(world_size=self.data_parallel_size))
         if self.group.agree(outcome) is not Outcome.OK:
             raise RuntimeError("rejoining the run failed")
-        return self.group.broadcast(info.data if info is not None else None) or []
+        return self.group.broadcast((info.round, info.data) if info is not None else (0, []))
+
+    def _catch_up(self, round_: int, current: int) -> PulledPart | None:
+        """From θ_round_ (the snapshot) to the current round through the coordinator's kept
+        compressed updates, when only a round or two were missed: the same additions the
+        coordinator made, so the result is bit-identical, for a fraction of the state's bytes.
+        None when that is not possible (too far behind, updates no longer kept, hash differs):
+        the caller pulls the full state."""
+        if not 0 < current - round_ <= CATCH_UP_ROUNDS:
+            return None
+        pulled = None
+        for r in range(round_, current):
+            pulled = self._agreed_pull(full_state=False, round_=r)
+            self._apply(pulled)
+            if pulled.is_full_state:  # no longer kept: the coordinator sent its state instead
+                return pulled
+        assert pulled is not None
+        if self.digest(self.snapshot) != pulled.state_hash:
+            log.warning("catching up from round %d through kept updates missed the hash", round_)
+            return None
+        log.info("caught up from round %d to %d with %d kept updates", round_, current, current - round_)
+        return pulled
 
     def _pull(self, round_: int, full_state: bool) -> PulledPart:
         return self.client.pull(
@@ -377,10 +403,12 @@ class OuterSync:
             parts=self.group.world,
         )
 
-    def _agreed_pull(self, full_state: bool) -> PulledPart:
-        """Every rank pulls its share of the same state (retried if a commit came in between)."""
+    def _agreed_pull(self, full_state: bool, round_: int | None = None) -> PulledPart:
+        """Every rank pulls its share of the same state or update (retried if a commit came in
+        between two ranks' full-state pulls)."""
+        at = self.round if round_ is None else round_
         for _ in range(MAX_EXCHANGES):
-            pulled, outcome = self._call(lambda: self._pull(self.round, full_state))
+            pulled, outcome = self._call(functools.partial(self._pull, at, full_state))
             if self.group.agree(outcome) is not Outcome.OK:
                 raise RuntimeError("pulling the run's state failed")
             assert pulled is not None

@@ -75,14 +75,14 @@ def resume(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     global_round, global_hash, global_data = sync.round, sync.digest(sync.snapshot), sync.data
     meta = checkpoint.load(path, model, optimizer, sync)
     loaded = {
-        "checkpoint": str(path),
+        "checkpoint": path.name,
         "state_hash": sync.digest(sync.snapshot),
         "params_hash": sync.digest(),
         "residual_hash": checkpoint.residual_digest(sync),
         "ranks": sync.group.world,
     }
     if sync.group.rank == 0:
-        (path / "resumed.json").write_text(json.dumps(loaded, indent=2))
+        (path.parent / "resumed.json").write_text(json.dumps(loaded, indent=2))  # what was loaded
     current = (meta.round, meta.state_hash, sync.data) == (global_round, global_hash, global_data)
     if not current:
         log.warning(

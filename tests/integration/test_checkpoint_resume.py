@@ -54,8 +54,8 @@ def test_site_resumes_from_its_checkpoint_with_fewer_ranks(tmp_path: Path) -> No
         )
         for name, proc in procs.items():
             assert proc.wait(timeout=300) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
-        resumed = json.loads((saved.parent / "resumed.json").read_text())
-        assert resumed["ranks"] == 1
+        resumed = json.loads((ckpt / "resumed.json").read_text())
+        assert resumed["ranks"] == 1 and resumed["checkpoint"] == saved.parent.name
         for key in ("state_hash", "params_hash", "residual_hash"):
             assert resumed[key] == meta[key], key
         assert "resumed from round-" in (tmp_path / "a2.log").read_text()
