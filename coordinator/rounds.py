@@ -34,6 +34,7 @@ from geodiloco.coordinator.errors import (
 )
 from geodiloco.coordinator.ledger import DataLedger
 from geodiloco.coordinator.outer_optimizer import build_outer_optimizer
+from geodiloco.coordinator.reports import REPORT_LOG, HashReport, append_report, read_reports
 from geodiloco.params import state_hash
 from geodiloco.workload.data import DataRange
 
@@ -112,7 +113,11 @@ class RoundController:
     """Owns θ, the outer optimizer and the run's membership; one per coordinator."""
 
     def __init__(
-        self, cfg: RunConfig, initial: torch.Tensor, shard_sizes: list[int], run_dir: Path | None = None
+        self,
+        cfg: RunConfig,
+        initial: torch.Tensor,
+        shard_sizes: list[int],
+        run_dir: Path | None = None,
     ) -> None:
         self.cfg = cfg
         self.shard_sizes = list(shard_sizes)
@@ -145,6 +150,8 @@ class RoundController:
             if state is not None:
                 self.restore(state)
                 self._sync_round_log()
+                for report in read_reports(run_dir / REPORT_LOG):
+                    self._apply_report(report)
 
     # -- membership -------------------------------------------------------------------------
 
@@ -473,7 +480,7 @@ class RoundController:
             self._full_state = FullState(self.round, FULL_STATE_CODEC, chunks, self.hashes[self.round])
         return self._full_state
 
-    def report(
+    async def report(
         self,
         name: str,
         run_id: str,
@@ -483,8 +490,10 @@ class RoundController:
         eval_count: int,
         train_loss: float,
     ) -> tuple[bool, str]:
-        """A site's parameter hash and metrics after applying the update that closed ``round_``."""
-        record = self.member(name, run_id)
+        """A site's parameter hash and metrics after applying the update that closed ``round_``.
+
+        Durable before it is answered: it arrives after the round's snapshot was written."""
+        self.member(name, run_id)
         expected = self.hashes.get(round_ + 1)
         if expected is None:
             raise FailedPrecondition(f"round {round_} has not been committed")
@@ -497,17 +506,33 @@ class RoundController:
                 digest[:12],
                 expected[:12],
             )
-        record.hash_ok = ok
-        record.last_report_round = round_
-        record.train_loss = train_loss
-        if eval_count:
-            record.eval_loss = eval_loss_sum / eval_count
-        history = self.history[round_]  # committed rounds are contiguous from 0
-        if name not in history.hash_reports:
-            history.hash_reports[name] = ok
-            history.eval_loss_sum += eval_loss_sum
-            history.eval_count += eval_count
+        report = HashReport(round_, name, ok, eval_loss_sum, eval_count, train_loss)
+        if self._apply_report(report) and self.run_dir is not None:
+            try:
+                await asyncio.to_thread(append_report, self.run_dir / REPORT_LOG, report)
+            except OSError:  # metrics only: the run goes on; the next commit persists it anyway
+                log.error("cannot persist the report of %s for round %d", name, round_, exc_info=True)
         return ok, expected
+
+    def _apply_report(self, report: HashReport) -> bool:
+        """Record a report; False when the round already had this site's report."""
+        if not 0 <= report.round < len(self.history):
+            log.warning("ignoring a report of %s for uncommitted round %d", report.site, report.round)
+            return False
+        record = self.sites.get(report.site)
+        if record is not None and report.round >= record.last_report_round:
+            record.hash_ok = report.hash_ok
+            record.last_report_round = report.round
+            record.train_loss = report.train_loss
+            if report.eval_count:
+                record.eval_loss = report.eval_loss_sum / report.eval_count
+        history = self.history[report.round]  # committed rounds are contiguous from 0
+        if report.site in history.hash_reports:
+            return False
+        history.hash_reports[report.site] = report.hash_ok
+        history.eval_loss_sum += report.eval_loss_sum
+        history.eval_count += report.eval_count
+        return True
 
     # -- accounting -------------------------------------------------------------------------
 
