@@ -24,7 +24,7 @@ import torch
 from geodiloco.compression import EncodedChunk, ErrorFeedback, encode_chunks, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.aggregator import WeightedMean
-from geodiloco.coordinator.durable import STATE_FILE, load_state, save_state
+from geodiloco.coordinator.durable import STATE_FILE, StateError, load_state, save_state
 from geodiloco.coordinator.errors import (
     ContributionMissing,
     FailedPrecondition,
@@ -36,6 +36,7 @@ from geodiloco.coordinator.ledger import DataLedger
 from geodiloco.coordinator.outer_optimizer import build_outer_optimizer
 from geodiloco.coordinator.reports import REPORT_LOG, HashReport, append_report, read_reports
 from geodiloco.params import state_hash
+from geodiloco.security.sealing import Sealer
 from geodiloco.workload.data import DataRange
 
 log = logging.getLogger("geodiloco.coordinator")
@@ -110,7 +111,10 @@ class RoundRecord:
 
 
 class RoundController:
-    """Owns θ, the outer optimizer and the run's membership; one per coordinator."""
+    """Owns θ, the outer optimizer and the run's membership; one per coordinator.
+
+    With ``run_dir`` every commit is durable there (sealed with ``sealer`` when the run seals
+    its payloads) and a restart resumes from it."""
 
     def __init__(
         self,
@@ -118,6 +122,7 @@ class RoundController:
         initial: torch.Tensor,
         shard_sizes: list[int],
         run_dir: Path | None = None,
+        sealer: Sealer | None = None,
     ) -> None:
         self.cfg = cfg
         self.shard_sizes = list(shard_sizes)
@@ -144,9 +149,10 @@ class RoundController:
         self._changed = asyncio.Condition()
         self._commit_lock = asyncio.Lock()
         self.run_dir = run_dir
+        self.sealer = sealer
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
-            state = load_state(run_dir / STATE_FILE)
+            state = load_state(run_dir / STATE_FILE, sealer)
             if state is not None:
                 self.restore(state)
                 self._sync_round_log()
@@ -378,7 +384,7 @@ class RoundController:
             return
         snapshot = self.snapshot()
         try:
-            await asyncio.to_thread(save_state, self.run_dir / STATE_FILE, snapshot)
+            await asyncio.to_thread(save_state, self.run_dir / STATE_FILE, snapshot, self.sealer)
         except OSError:
             log.critical("cannot commit round %d to %s; exiting", self.round - 1, self.run_dir, exc_info=True)
             os._exit(70)
@@ -419,12 +425,12 @@ class RoundController:
 
     def restore(self, state: dict[str, Any]) -> None:
         if state["run_id"] != self.cfg.run_id:
-            raise ValueError(
+            raise StateError(
                 f"the state in {self.run_dir} belongs to run {state['run_id']!r}, not {self.cfg.run_id!r}"
             )
         theta = state["theta"]
         if theta.numel() != self.num_params:
-            raise ValueError(f"the saved state has {theta.numel()} parameters, the model {self.num_params}")
+            raise StateError(f"the saved state has {theta.numel()} parameters, the model {self.num_params}")
         self.theta = theta.clone()
         self.theta_norm = float(self.theta.norm())
         self.round = int(state["round"])
