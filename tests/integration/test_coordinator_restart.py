@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from geodiloco.status import fetch_status, request_shutdown
-from helpers import free_port, ledger_problems, round_log, serve_args, spawn_geodiloco, tiny_config
+from helpers import free_port, kill_tree, ledger_problems, round_log, serve_args, spawn_geodiloco, tiny_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -61,4 +61,4 @@ def test_coordinator_killed_mid_run_resumes_from_its_last_commit(tmp_path: Path)
     finally:
         for proc in (*sites, coordinator):
             if proc.poll() is None:
-                proc.kill()
+                kill_tree(proc)
