@@ -394,7 +394,12 @@ class RoundController:
         """Append the committed rounds the log does not have yet (one line each, in order)."""
         assert self.run_dir is not None
         path = self.run_dir / ROUND_LOG
-        logged = len(path.read_text().splitlines()) if path.exists() else 0
+        data = path.read_bytes() if path.exists() else b""
+        complete = data.rfind(b"\n") + 1
+        if complete < len(data):  # a crash while a line was written: rewrite it from the history
+            log.warning("%s: dropping a torn last line (%d bytes)", path, len(data) - complete)
+            os.truncate(path, complete)
+        logged = data.count(b"\n")
         with open(path, "a") as f:
             for record in self.history[logged:]:
                 line = {

@@ -227,6 +227,8 @@ def serve_args(config: Path, port: int, run_dir: Path) -> list[str]:
 
 
 def round_log(run_dir: Path) -> list[dict[str, Any]]:
-    """The coordinator's committed rounds, as written to its run directory so far."""
+    """The coordinator's committed rounds, as written to its run directory so far (a line still
+    being written, without its newline, is left out)."""
     path = run_dir / "rounds.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    complete = path.read_text().split("\n")[:-1] if path.exists() else []
+    return [json.loads(line) for line in complete]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,15 @@ async def test_a_torn_last_report_line_is_skipped(tmp_path: Path) -> None:
         f.write('{"round": 0, "site": "site-b", "hash_')  # the crash hit mid-append
     restarted = controller(tmp_path)
     assert restarted.history[0].hash_reports == {"site-a": True}
+
+
+async def test_a_torn_round_log_line_is_rewritten_on_restart(tmp_path: Path) -> None:
+    c = controller(tmp_path)
+    await _one_round(c)
+    for site in c.cfg.sites:
+        await c.contribute(site, "", 1, 100, torch.ones(N))
+    path = tmp_path / "rounds.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + lines[1][:25])  # killed while writing round 1's line
+    controller(tmp_path)
+    assert [json.loads(line)["round"] for line in path.read_text().splitlines()] == [0, 1]
