@@ -406,6 +406,7 @@ class RoundController:
                     "round": record.round,
                     "contributors": record.contributors,
                     "tokens": record.tokens,
+                    "base_hash": self.hashes[record.round],  # θ it started from: the log chains
                     "state_hash": record.state_hash,
                     "update_bytes": record.update_bytes,
                     "duration_s": round(record.duration_s, 3),

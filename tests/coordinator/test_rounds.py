@@ -199,4 +199,9 @@ async def test_a_torn_round_log_line_is_rewritten_on_restart(tmp_path: Path) -> 
     lines = path.read_text().splitlines(keepends=True)
     path.write_text(lines[0] + lines[1][:25])  # killed while writing round 1's line
     controller(tmp_path)
-    assert [json.loads(line)["round"] for line in path.read_text().splitlines()] == [0, 1]
+    log = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["round"] for r in log] == [0, 1]
+    assert [(r["base_hash"], r["state_hash"]) for r in log] == [
+        (c.hashes[0], c.hashes[1]),
+        (c.hashes[1], c.hashes[2]),
+    ]

@@ -108,6 +108,7 @@ def test_the_run_survives_site_death_partition_and_coordinator_death(tmp_path: P
     assert status.finished and status.round == ROUNDS
     assert [r["round"] for r in log] == list(range(ROUNDS))  # no round lost or applied twice
     assert len({r["state_hash"] for r in log}) == ROUNDS
+    assert [r["base_hash"] for r in log[1:]] == [r["state_hash"] for r in log[:-1]]  # a chain
     assert [h.state_hash for h in status.history] == [r["state_hash"] for r in log]
     assert "resumed run test-run" in (tmp_path / "chaos" / "coordinator.log").read_text()
     for site in status.sites:  # every site finished on the coordinator's final parameters

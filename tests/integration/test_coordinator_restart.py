@@ -49,6 +49,7 @@ def test_coordinator_killed_mid_run_resumes_from_its_last_commit(tmp_path: Path)
         log = round_log(run_dir)
         assert [r["round"] for r in log] == list(range(rounds))  # contiguous, none lost or repeated
         assert len({r["state_hash"] for r in log}) == rounds
+        assert [r["base_hash"] for r in log[1:]] == [r["state_hash"] for r in log[:-1]]  # a chain
         assert ledger_problems(log, cfg) == []
         assert "resumed run test-run at round" in (tmp_path / "coordinator-2.log").read_text()
         status = fetch_status(target, None)
