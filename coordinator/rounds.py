@@ -150,6 +150,7 @@ class RoundController:
         self._commit_lock = asyncio.Lock()
         self.run_dir = run_dir
         self.sealer = sealer
+        self._logged: int | None = None  # lines in the round log, once read
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
             state = load_state(run_dir / STATE_FILE, sealer)
@@ -394,14 +395,15 @@ class RoundController:
         """Append the committed rounds the log does not have yet (one line each, in order)."""
         assert self.run_dir is not None
         path = self.run_dir / ROUND_LOG
-        data = path.read_bytes() if path.exists() else b""
-        complete = data.rfind(b"\n") + 1
-        if complete < len(data):  # a crash while a line was written: rewrite it from the history
-            log.warning("%s: dropping a torn last line (%d bytes)", path, len(data) - complete)
-            os.truncate(path, complete)
-        logged = data.count(b"\n")
+        if self._logged is None:  # read once per process, not at every commit
+            data = path.read_bytes() if path.exists() else b""
+            complete = data.rfind(b"\n") + 1
+            if complete < len(data):  # a crash while a line was written: rewrite it from the history
+                log.warning("%s: dropping a torn last line (%d bytes)", path, len(data) - complete)
+                os.truncate(path, complete)
+            self._logged = data.count(b"\n")
         with open(path, "a") as f:
-            for record in self.history[logged:]:
+            for record in self.history[self._logged :]:
                 line = {
                     "round": record.round,
                     "contributors": record.contributors,
@@ -413,6 +415,7 @@ class RoundController:
                     "data": record.data,
                 }
                 f.write(json.dumps(line) + "\n")
+        self._logged = len(self.history)
 
     def snapshot(self) -> dict[str, Any]:
         """Everything a restarted coordinator needs to resume after the last committed round."""
