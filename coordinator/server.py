@@ -15,6 +15,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from geodiloco.config import RunConfig
+from geodiloco.coordinator.durable import STATE_LABEL
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.coordinator.service import AdminServicer, OuterSyncServicer
 from geodiloco.params import flatten_parameters
@@ -167,8 +168,9 @@ async def run_until_stopped(running: RunningServer, exit_when_finished: bool = F
 
 async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
     """The `geodiloco coordinator serve` process: serve until SIGINT/SIGTERM or Shutdown."""
-    controller = RoundController(cfg, initial_parameters(cfg), data_shard_sizes(cfg), opts.run_dir)
     security = opts.security(cfg.run_id)
+    sealer = security.keyring.at_rest(STATE_LABEL) if security.keyring else None  # state sealed at rest
+    controller = RoundController(cfg, initial_parameters(cfg), data_shard_sizes(cfg), opts.run_dir, sealer)
     running = await start_server(controller, opts.host, opts.port, security=security, grace_s=opts.grace_s)
     log.info(
         "coordinator for run %s serving on %s:%d, %s, payloads %s (%d parameters, sites: %s)",

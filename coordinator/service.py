@@ -162,7 +162,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         async def handle() -> Any:
             if request.eval_count and not math.isfinite(request.eval_loss_sum):
                 raise InvalidArgument("eval_loss_sum must be finite")
-            ok, expected = self.c.report(
+            ok, expected = await self.c.report(
                 request.site,
                 request.run_id,
                 request.round,

@@ -192,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from geodiloco.config import load_config
+    from geodiloco.coordinator.durable import StateError
     from geodiloco.coordinator.server import BindError, ServeOptions, serve
 
     cfg = load_config(args.config, args.overrides)
@@ -211,7 +212,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     try:
         asyncio.run(serve(cfg, opts))
-    except BindError as exc:
+    except (BindError, StateError) as exc:  # StateError: the run directory's state is refused
         print(f"geodiloco coordinator serve: {exc}", file=sys.stderr)
         return 2
     return 0
