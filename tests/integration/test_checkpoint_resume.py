@@ -9,15 +9,20 @@ parameters, to what was saved, and the run finishes with every replica in agreem
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from pathlib import Path
 
 import pytest
 
 from geodiloco.status import fetch_status, request_shutdown
-from helpers import ledger_problems, round_log, spawn_geodiloco, start_coordinator_process, tiny_config
+from helpers import (
+    kill_tree,
+    ledger_problems,
+    round_log,
+    spawn_geodiloco,
+    start_coordinator_process,
+    tiny_config,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -43,8 +48,7 @@ def test_site_resumes_from_its_checkpoint_with_fewer_ranks(tmp_path: Path) -> No
             assert time.monotonic() < deadline, (tmp_path / "a.log").read_text()[-3000:]
             assert procs["a"].poll() is None, (tmp_path / "a.log").read_text()[-3000:]
             time.sleep(0.2)
-        os.killpg(procs["a"].pid, signal.SIGKILL)
-        procs["a"].wait(30)
+        kill_tree(procs["a"])
         saved = sorted(ckpt.glob("round-*/site.json"))[-1]
         meta = json.loads(saved.read_text())
         assert meta["ranks"] == 2 and meta["layout"] == "fsdp"
