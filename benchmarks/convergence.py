@@ -20,6 +20,7 @@ from typing import Any
 from geodiloco.compression import parse_pipeline
 from geodiloco.demo import DemoOptions, demo_config, run_diloco
 from geodiloco.params import num_parameters
+from geodiloco.progress import Progress
 from geodiloco.workload import build_model
 
 PIPELINES = {
@@ -89,12 +90,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     pipelines = {**PIPELINES, **dict(e.split("=", 1) for e in args.extra)}
+    chosen = {
+        name: spec
+        for name, spec in pipelines.items()
+        if args.only is None or name in args.only or f"{name}={spec}" in args.extra
+    }
     results = []
-    for name, spec in pipelines.items():
-        if args.only is not None and name not in args.only and f"{name}={spec}" not in args.extra:
-            continue
-        with tempfile.TemporaryDirectory(prefix=f"convergence-{name.replace('%', '')}-") as tmp:
-            results.append(run_one(name, spec, args.rounds, args.seed, Path(tmp)))
+    with Progress("convergence runs", max(1, len(chosen)), every_s=0) as progress:
+        for name, spec in chosen.items():
+            with tempfile.TemporaryDirectory(prefix=f"convergence-{name.replace('%', '')}-") as tmp:
+                results.append(run_one(name, spec, args.rounds, args.seed, Path(tmp)))
+            progress.advance(note=f"{name} done")
     none = next((r["final_eval_loss"] for r in results if r["name"] == "none"), None)
     print("| name | pipeline | bits/param | final eval loss | vs none | WAN bytes |")
     print("|---|---|---|---|---|---|")

@@ -569,6 +569,11 @@ class RoundController:
             return "waiting_for_quorum"  # past the deadline, but too few contributions to commit
         return "training"
 
+    async def settle(self) -> None:
+        """Wait until a commit in progress is durable and published (graceful shutdown)."""
+        async with self._commit_lock:
+            pass
+
     def all_sites_done(self) -> bool:
         return self.finished and all(s.state != "joined" for s in self.sites.values())
 

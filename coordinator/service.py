@@ -25,8 +25,11 @@ from geodiloco.coordinator.errors import (
     CoordinatorError,
     DeadlineExceeded,
     InvalidArgument,
+    LateContribution,
     ResourceExhausted,
 )
+from geodiloco.coordinator.journal import Journal
+from geodiloco.coordinator.metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.security.chunks import KeyMismatch, open_delta, seal_update
 from geodiloco.security.policy import Denied, ServerSecurity, is_admin, peer_identity, require_site
@@ -85,11 +88,19 @@ async def _next_chunk(chunks: AsyncIterator[Any], timeout_s: float) -> Any:
 
 
 class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
-    def __init__(self, controller: RoundController, security: ServerSecurity) -> None:
+    def __init__(
+        self,
+        controller: RoundController,
+        security: ServerSecurity,
+        metrics: CoordinatorMetrics | None = None,
+        journal: Journal | None = None,
+    ) -> None:
         self.c = controller
         self.security = security
         self.joins = RateLimiter(controller.cfg.limits.joins_per_minute)
         self.assemblies: dict[tuple[str, int], Assembly] = {}  # (site, round) -> parts so far
+        self.metrics = metrics or CoordinatorMetrics(controller)
+        self.journal = journal or Journal(None)
 
     def _count(self, site: str, received: Message | None = None, sent: Message | None = None) -> None:
         self.c.count_bytes(
@@ -171,6 +182,16 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 request.eval_count,
                 _finite_or_zero(request.train_loss),
             )
+            self.journal.write(
+                "report",
+                site=request.site,
+                round=request.round,
+                eval_loss_sum=request.eval_loss_sum,
+                eval_count=request.eval_count,
+                train_loss=_finite_or_zero(request.train_loss),
+                tokens=request.tokens,
+                compute_s=_finite_or_zero(request.compute_seconds),
+            )
             return outer_sync_pb2.ReportResponse(hash_ok=ok, expected_hash=expected)
 
         return await self._unary("Report", request, context, handle)
@@ -183,10 +204,12 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         return await self._unary("Leave", request, context, handle)
 
     async def PushDelta(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
-        site, round_, fragment, payload_bytes = "", 0, 0, 0
+        site, round_, fragment, payload_bytes, wire_bytes = "", 0, 0, 0, 0
         timeout_s = self.c.cfg.limits.chunk_timeout_s
         assembly: Assembly | None = None
         first: Any = None
+        started = time.time()
+        covered = 0
         try:
             duplicate = False
             index = 0
@@ -199,7 +222,9 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                     assembly, opened = self._begin_part(chunk)
                     duplicate = assembly is None
                 self._count(site, received=chunk)
+                wire_bytes += chunk.ByteSize()
                 segment = self._check_chunk(first, chunk, index)
+                covered += segment.numel
                 payload_bytes += len(chunk.payload)
                 if assembly is not None:
                     out = assembly.claim(first.part, segment)
@@ -211,15 +236,20 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 raise InvalidArgument("empty push: no chunks received")
             if index != first.total_chunks:
                 raise InvalidArgument(f"push part ended after {index} of {first.total_chunks} chunks")
-            if assembly is not None:
-                duplicate = not await self._finish_part(first, assembly)
+            outcome = "duplicate" if assembly is None else await self._finish_part(first, assembly)
+            duplicate = outcome == "duplicate"
         except REFUSALS as exc:
             self._abandon(first, assembly)
             self.c.record_rejection(site, exc)
+            outcome = "late" if isinstance(exc, LateContribution) else "rejected"
+            self._pushed(site, round_, started, wire_bytes, outcome, _status(exc).name)
             await _abort(context, "PushDelta", site, exc)
         except BaseException:  # cancelled (the stream broke): the retry must find the part free
             self._abandon(first, assembly)
             raise
+        self._pushed(site, round_, started, wire_bytes, outcome)
+        if not duplicate:
+            self.metrics.push_compressed(site, covered, payload_bytes)
         ack = outer_sync_pb2.PushAck(
             round=round_, fragment=fragment, duplicate=duplicate, payload_bytes=payload_bytes
         )
@@ -234,6 +264,16 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         key = (first.header.site, first.header.round)
         if not assembly.received and not assembly.streaming and self.assemblies.get(key) is assembly:
             del self.assemblies[key]
+
+    def _pushed(
+        self, site: str, round_: int, started: float, wire_bytes: int, outcome: str, reason: str = ""
+    ) -> None:
+        """Metrics and journal for one push stream: a whole contribution accepted, one part of
+        it received ("part"), a duplicate, or a refusal (late, rejected)."""
+        self.metrics.contribution(site, outcome, reason)
+        self.journal.write(
+            "push", site=site, round=round_, t0=started, t1=time.time(), bytes=wire_bytes, outcome=outcome
+        )
 
     def _begin_part(self, chunk: Any) -> tuple[Assembly | None, bytes | None]:
         """The assembly this part goes into and its first payload, authenticated before anything
@@ -264,17 +304,19 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             return None, None
         return assembly, opened
 
-    async def _finish_part(self, first: Any, assembly: Assembly) -> bool:
-        """Record a complete part; the last one hands the whole contribution to the controller."""
+    async def _finish_part(self, first: Any, assembly: Assembly) -> str:
+        """Record a complete part; the last one hands the whole contribution to the controller.
+        Returns "part", "accepted" (the contribution is in) or "duplicate"."""
         h = first.header
         assembly.finish(first.part)
         if not assembly.complete:
-            return True
+            return "part"
         del self.assemblies[(h.site, h.round)]
         assembly.check_covered()
-        return await self.c.contribute(
+        accepted = await self.c.contribute(
             h.site, h.run_id, h.round, assembly.tokens, assembly.values, assembly.data
         )
+        return "accepted" if accepted else "duplicate"
 
     def _open(self, chunk: Any) -> bytes:
         if self.security.keyring is None:
@@ -309,6 +351,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
 
     async def PullUpdate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         kind = request.kind
+        requested = time.time()
         try:
             require_site(self.security, context, request.site)
             self._count(request.site, received=request)
@@ -331,6 +374,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         except REFUSALS as exc:
             await _abort(context, "PullUpdate", request.site, exc)
         keys = self.security.keyring.site(request.site) if self.security.keyring else None
+        ready, sent = time.time(), 0
         parts = request.parts or 1
         mine = [(seq, chunk) for seq, chunk in enumerate(chunks) if seq % parts == request.part]
         if not mine:  # more pullers than chunks: this one gets the stream's facts, no payload
@@ -358,7 +402,18 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             if keys is not None:
                 seal_update(keys.down, message)
             self._count(request.site, sent=message)
+            sent += message.ByteSize()
             yield message
+        self.journal.write(
+            "pull",
+            site=request.site,
+            round=round_,
+            kind="full_state" if kind == outer_sync_pb2.PullRequest.FULL_STATE else "update",
+            t0=requested,
+            t_ready=ready,
+            t1=time.time(),
+            bytes=sent,
+        )
 
     async def _wait_for_update(self, round_: int, site: str) -> Any:
         """The server's own bound on a pull's wait, whatever deadline the client set."""

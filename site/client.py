@@ -21,6 +21,7 @@ import torch
 
 from geodiloco import __version__
 from geodiloco.compression import CodecError, EncodedChunk, decode_chunks_into, parse_pipeline
+from geodiloco.progress import Progress
 from geodiloco.security.chunks import KeyMismatch, open_update, seal_delta
 from geodiloco.security.sealing import SiteKeys
 from geodiloco.security.tls import TlsFiles, open_channel
@@ -56,6 +57,7 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.max_reconnect_backoff_ms", 5_000),  # back soon after a coordinator restart (leases are short)
     ("grpc.enable_retries", 1),
     ("grpc.service_config", _RETRY_SERVICE_CONFIG),
 ]
@@ -350,8 +352,14 @@ class OuterSyncClient:
             self._count(sent=request)
             chunks: dict[int, EncodedChunk] = {}
             last: Any = None
+            shown: Progress | None = None
             for msg in self.stub.PullUpdate(request, timeout=timeout_s, wait_for_ready=True):
                 self._count(received=msg)
+                if full_state and shown is None:  # ops: a full state can be large
+                    mine = -(-msg.total_chunks // max(parts, 1))
+                    shown = Progress(f"state transfer of round {msg.next_round}", max(1, mine))
+                if shown is not None:
+                    shown.advance(note=f"{self.bytes_received:,} bytes received")
                 if last is not None and _facts(msg) != _facts(last):
                     raise CodecError("an update stream changed its codec, round or size midway")
                 last = msg
@@ -359,6 +367,8 @@ class OuterSyncClient:
                     continue  # no chunk for this puller: only the stream's facts
                 payload = msg.payload if self.keys is None else open_update(self.keys.down, msg)
                 chunks[msg.header.seq] = EncodedChunk(msg.header.start, msg.header.numel, payload)
+            if shown is not None:
+                shown.close()
             if last is None:
                 raise CodecError("the coordinator sent an empty update stream")
             self.assigned = ranges_from_proto(last.data)

@@ -20,8 +20,11 @@ import torch
 import torch.distributed as dist
 
 import geodiloco.site.checkpoint as checkpoint
+from geodiloco import logs
 from geodiloco.distributed import init_distributed, shutdown_distributed
+from geodiloco.lifecycle import GracefulStop
 from geodiloco.logs import setup_logging
+from geodiloco.metrics import SiteTelemetry
 from geodiloco.security.secrets import load_secret
 from geodiloco.security.tls import TlsFiles
 from geodiloco.site.layout import (
@@ -32,7 +35,7 @@ from geodiloco.site.layout import (
     layout_summary,
     parallelize,
 )
-from geodiloco.site.outer_sync import Outcome, OuterSync
+from geodiloco.site.outer_sync import OuterSync
 from geodiloco.workload import (
     DataShards,
     build_model,
@@ -56,17 +59,6 @@ class SiteOptions:
     layout: ParallelConfig
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0  # rounds; 0: only on SIGTERM (when checkpoint_dir is set)
-
-
-class StopFlag:
-    """Set by SIGTERM; the ranks agree on it between inner steps, then checkpoint and leave."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._set)
-
-    def _set(self, _signum: int, _frame: object) -> None:
-        self.requested = True
 
 
 def resume(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sync: OuterSync) -> None:
@@ -106,12 +98,16 @@ def train(
 ) -> None:
     rank, world = init_distributed()
     layout = options.layout
-    stop = StopFlag()
+    stop = GracefulStop.install()  # ops: SIGTERM leaves at the next step
     mesh = build_mesh(layout)
     sync = OuterSync.connect(
         coordinator, site, tls=tls, site_secret=site_secret, data_parallel_size=layout.data_parallel
     )
     cfg = sync.config
+    logs.bind(run=sync.info.run_id, round=lambda: sync.round)  # ops: run/round on every log line
+    telemetry = SiteTelemetry.start(  # ops: metrics and progress (rank 0)
+        site, rank, cfg.rounds * cfg.inner.steps_per_round, lambda: (sync.bytes_sent, sync.bytes_received)
+    )
     model = build_model(cfg.model, cfg.seed)
     trained = parallelize(model, layout, mesh)
     sync.attach(model)
@@ -135,22 +131,22 @@ def train(
     started = time.perf_counter()
     windows = shards.windows(sync.data)
     while not sync.finished:
-        if sync.group.agree(Outcome.FAILED if stop.requested else Outcome.OK) is Outcome.FAILED:
+        if stop.requested():  # all ranks agree, then checkpoint (if asked to) and leave
             if options.checkpoint_dir is not None:
                 checkpoint.save(options.checkpoint_dir, model, optimizer, sync, layout.name)
-            log.warning("SIGTERM: leaving the run at round %d step %d", sync.round, sync.steps_in_round)
-            sync.close("terminated")
-            del trained
-            shutdown_distributed()
-            return
+            break
         if sync.steps_in_round == 0:
             windows = shards.windows(sync.data)  # the ledger's share of data for this round
         step = sync.round * cfg.inner.steps_per_round + sync.steps_in_round
         x, y = rank_batch(windows, sync.steps_in_round, dp_rank, dp, cfg.data.batch_size)
+        step_started = time.perf_counter()  # ops
         losses.append(inner_step(trained, optimizer, cfg.inner, step, x, y))
+        telemetry.step(time.perf_counter() - step_started, tokens_per_step * dp, sync.round, step + 1)  # ops
         compute_s = time.perf_counter() - started
+        sync_started = time.perf_counter()  # ops
         if not sync.step(tokens=tokens_per_step):
             continue
+        sync_s = time.perf_counter() - sync_started  # ops
         eval_sum, eval_count = evaluate(trained, my_eval)
         totals = torch.tensor([eval_sum, float(eval_count), sum(losses) / len(losses)], dtype=torch.float64)
         dist.all_reduce(totals)
@@ -163,12 +159,18 @@ def train(
                 float(totals[2]) / world,
                 float(totals[0] / totals[1]),
             )
+        telemetry.round(  # ops
+            train_loss=float(totals[2]) / world,
+            eval_loss=float(totals[0] / totals[1]),
+            sync_seconds=sync_s,
+        )
         losses.clear()
         every = options.checkpoint_every
         if options.checkpoint_dir is not None and every and sync.round % every == 0 and not sync.finished:
             checkpoint.save(options.checkpoint_dir, model, optimizer, sync, layout.name)
         started = time.perf_counter()
-    sync.close("finished")
+    sync.close(stop.reason)  # ops: "finished" or "stopped by SIGTERM"
+    telemetry.close()  # ops
     del trained
     shutdown_distributed()
 
