@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from geodiloco import logs
 from geodiloco.config import RunConfig
+from geodiloco.coordinator.durable import STATE_LABEL
 from geodiloco.coordinator.journal import Journal
 from geodiloco.coordinator.metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
@@ -226,9 +227,10 @@ async def _tick(running: RunningServer) -> None:
 
 async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
     """The `geodiloco coordinator serve` process: serve until SIGINT/SIGTERM or Shutdown."""
-    controller = RoundController(cfg, initial_parameters(cfg), data_shard_sizes(cfg), opts.run_dir)
-    logs.bind(run=cfg.run_id, round=lambda: controller.round)
     security = opts.security(cfg.run_id)
+    sealer = security.keyring.at_rest(STATE_LABEL) if security.keyring else None  # state sealed at rest
+    controller = RoundController(cfg, initial_parameters(cfg), data_shard_sizes(cfg), opts.run_dir, sealer)
+    logs.bind(run=cfg.run_id, round=lambda: controller.round)
     running = await start_server(controller, opts.host, opts.port, security=security, grace_s=opts.grace_s)
     metrics: MetricsServer | None = None
     try:

@@ -52,9 +52,16 @@ def run_torchrun(module: str, nproc: int, args: list[str]) -> int:
             signal.signal(sig, handler)
 
 
-def run_site(coordinator: str, site: str, nproc: int, tls: TlsFiles | None, secret: Path | None) -> int:
+def run_site(
+    coordinator: str,
+    site: str,
+    nproc: int,
+    tls: TlsFiles | None,
+    secret: Path | None,
+    extra: list[str] | None = None,
+) -> int:
     """Start the site's ranks; file paths (never secrets) travel on their command line."""
-    args = ["--coordinator", coordinator, "--site", site]
+    args = ["--coordinator", coordinator, "--site", site, *(extra or [])]
     if tls is not None:
         args += ["--tls", str(tls.cert), str(tls.key), str(tls.ca)]
     if secret is not None:

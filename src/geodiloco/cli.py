@@ -153,6 +153,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--name", required=True, help="this site's name, as listed in the run's config")
     run.add_argument("--coordinator", default=DEFAULT_TARGET, help=f"host:port (default {DEFAULT_TARGET})")
     run.add_argument("--nproc", type=_positive_int, default=2, help="local ranks (default 2)")
+    run.add_argument(
+        "--layout",
+        default="ddp",
+        help="parallel layout of the ranks: ddp (default), fsdp, hsdp, tp, fsdp+tp, or "
+        "dp_replicate=R,dp_shard=S,tp=T (product = --nproc)",
+    )
+    run.add_argument(
+        "--mixed-precision", default="fp32", choices=("fp32", "bf16"), help="FSDP2 parameter dtype"
+    )
+    run.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="torch.distributed.checkpoint of the site's state; resumed on start",
+    )
+    run.add_argument(
+        "--checkpoint-every",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="checkpoint every N rounds (default: only on SIGTERM)",
+    )
     _add_tls_args(run, "site")
     run.add_argument("--secret", type=Path, help="this site's secret file (site-NAME.secret) for sealing")
     run.add_argument(
@@ -236,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from geodiloco.config import load_config
+    from geodiloco.coordinator.durable import StateError
     from geodiloco.coordinator.server import BindError, ServeOptions, serve
 
     cfg = load_config(args.config, args.overrides)
@@ -257,7 +279,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     try:
         asyncio.run(serve(cfg, opts))
-    except BindError as exc:
+    except (BindError, StateError) as exc:  # StateError: the run directory's state is refused
         print(f"geodiloco coordinator serve: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -287,10 +309,22 @@ def _site_run(args: argparse.Namespace) -> int:
             load_secret(args.secret)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+    from geodiloco.site.layout import LayoutError, ParallelConfig
+
+    try:
+        ParallelConfig.parse(args.layout, args.nproc, args.mixed_precision)
+    except LayoutError as exc:
+        raise UsageError(f"--{exc}") from None
+    extra = ["--layout", args.layout, "--mixed-precision", args.mixed_precision]
+    if args.checkpoint_every and args.checkpoint_dir is None:
+        raise UsageError("--checkpoint-every needs --checkpoint-dir")
+    if args.checkpoint_dir is not None:
+        extra += ["--checkpoint-dir", str(args.checkpoint_dir.resolve())]
+        extra += ["--checkpoint-every", str(args.checkpoint_every or 0)]
     if args.metrics_port is not None:  # read by rank 0 (geodiloco.metrics.SiteTelemetry)
         _check_bindable("--metrics-port", args.metrics_host, args.metrics_port)
         os.environ[PORT_ENV], os.environ[HOST_ENV] = str(args.metrics_port), args.metrics_host
-    return run_site(args.coordinator, args.name, args.nproc, tls, args.secret)
+    return run_site(args.coordinator, args.name, args.nproc, tls, args.secret, extra)
 
 
 def _certs(args: argparse.Namespace) -> int:
