@@ -6,6 +6,7 @@ parallelism to the reference model and report what their ShardMap says.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -66,14 +67,17 @@ def test_scattering_the_canonical_vector_rebuilds_the_pieces() -> None:
     assert all(torch.equal(t, p.local) for t, p in zip(targets, shards.pieces, strict=True))
 
 
-def _rank_main(rank: int, world: int, port: int, layout: str, out: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, layout: str, precision: str, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model = build_model(MODEL, seed=0)
         flat = flatten_parameters(model)
-        config = ParallelConfig.parse(layout, world)
-        parallelize(model, config, build_mesh(config))
+        config = ParallelConfig.parse(layout, world, precision)
+        trained = parallelize(model, config, build_mesh(config))
+        x = torch.randint(0, 256, (2, MODEL.seq_len))
+        loss = trained(x, x)  # the layout trains (bf16 compute under FSDP2's policy)
+        loss.backward()
         shards = ShardMap(model, rank, world)
         targets = [torch.zeros_like(p.local) for p in shards.pieces]
         written = sum(
@@ -89,6 +93,7 @@ def _rank_main(rank: int, world: int, port: int, layout: str, out: Any) -> None:
                 and all(torch.equal(t, p.local) for t, p in zip(targets, shards.pieces, strict=True)),
                 "owned_values": shards.gather_owned().tolist(),
                 "hash": state_hash(flat),
+                "loss": float(loss),
             }
         )
     finally:
@@ -96,12 +101,12 @@ def _rank_main(rank: int, world: int, port: int, layout: str, out: Any) -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp"])
-def test_each_layout_owns_every_element_exactly_once(layout: str) -> None:
+@pytest.mark.parametrize(("layout", "precision"), [("ddp", "fp32"), ("fsdp", "bf16"), ("tp", "fp32")])
+def test_each_layout_owns_every_element_exactly_once(layout: str, precision: str) -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, layout, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, layout, precision, out)) for r in range(2)]
     for p in procs:
         p.start()
     results = sorted((out.get(timeout=120) for _ in procs), key=lambda r: r["rank"])
@@ -111,7 +116,9 @@ def test_each_layout_owns_every_element_exactly_once(layout: str) -> None:
     n = results[0]["num_params"]
     owned = results[0]["owned"] + results[1]["owned"]
     assert sorted(owned) == list(range(n))  # disjoint, and together everything
-    assert all(r["rebuilt"] for r in results)  # each rank's pieces sit where the layout says
+    assert all(
+        r["rebuilt"] and math.isfinite(r["loss"]) for r in results
+    )  # each rank's pieces sit where the layout says
     flat = flatten_parameters(build_model(MODEL, seed=0))
     for r in results:
         assert r["owned_values"] == flat[r["owned"]].tolist()
