@@ -3,6 +3,7 @@ send it) makes its torchrun ranks stop together at a step boundary and Leave the
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 import urllib.request
@@ -66,3 +67,54 @@ def test_sigterm_makes_a_site_leave_instead_of_timing_out(tmp_path: Path) -> Non
     assert record.accepted == status.round and record.rejected == 0 and record.hash_ok
     assert "SIGTERM: the ranks leave after the current step" in text and "stop requested" in text
     assert rc == 0, text[-3000:]
+
+
+def test_sigterm_checkpoints_mid_round_and_the_site_resumes_there(tmp_path: Path) -> None:
+    # site-a alone carries the run (min_sites=1); while it is away the round stays open
+    cfg = tiny_config(rounds=10_000, min_sites=1, lease_s=600.0, inner__steps_per_round=40, inner__lr=5e-4)
+    ckpt = tmp_path / "ckpt"
+    with CoordinatorThread(cfg) as coordinator:
+        base = ["site", "run", "--name", "site-a", "--coordinator", coordinator.target, "--insecure"]
+        first = spawn_geodiloco([*base, "--nproc", "2", "--checkpoint-dir", str(ckpt)], tmp_path / "a.log")
+        try:
+            deadline = time.monotonic() + 240
+            while coordinator.controller.round < 1:  # one round committed, the next under way
+                assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "a.log").read_text()[
+                    -3000:
+                ]
+                time.sleep(0.2)
+            time.sleep(1.0)
+            first.send_signal(signal.SIGTERM)
+            assert first.wait(timeout=120) == 0, (tmp_path / "a.log").read_text()[-3000:]
+        finally:
+            if first.poll() is None:
+                first.kill()
+        saved = sorted(ckpt.glob("round-*/site.json"))
+        assert len(saved) == 1, (tmp_path / "a.log").read_text()[-3000:]
+        meta = json.loads(saved[0].read_text())
+        at_round = coordinator.controller.round
+        assert meta["round"] == at_round and meta["ranks"] == 2
+
+        again = spawn_geodiloco(
+            [*base, "--nproc", "2", "--layout", "fsdp", "--checkpoint-dir", str(ckpt)], tmp_path / "a2.log"
+        )
+        try:
+            deadline = time.monotonic() + 240
+            while coordinator.controller.round <= at_round:  # it finishes the round it left
+                assert again.poll() is None and time.monotonic() < deadline, (
+                    tmp_path / "a2.log"
+                ).read_text()[-3000:]
+                time.sleep(0.2)
+            again.send_signal(signal.SIGTERM)
+            assert again.wait(timeout=120) == 0
+        finally:
+            if again.poll() is None:
+                again.kill()
+        resumed = json.loads((ckpt / "resumed.json").read_text())
+        text = (tmp_path / "a2.log").read_text()
+    for key in ("state_hash", "params_hash", "residual_hash"):
+        assert resumed[key] == meta[key], key
+    assert f"step {meta['steps_in_round']}, 2 ranks before" in text
+    assert "behind the run" not in text  # it continued mid-round, not from the global state
+    record = coordinator.controller.history[at_round]
+    assert record.contributors == ["site-a"] and record.hashes_agree
