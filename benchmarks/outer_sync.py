@@ -217,8 +217,10 @@ def worker(args: argparse.Namespace) -> None:
     from geodiloco.distributed import init_distributed, shutdown_distributed
     from geodiloco.site.layout import ParallelConfig, build_mesh, data_parallel_rank, parallelize
     from geodiloco.site.outer_sync import OuterSync
+    from geodiloco.site.worker import die_with_parent
     from geodiloco.workload.steps import inner_step
 
+    die_with_parent()  # killing torchrun (on a timeout) takes the ranks with it
     rank, world = init_distributed()
     layout = ParallelConfig.parse(args.layout, world)
     mesh = build_mesh(layout)

@@ -6,7 +6,6 @@ ledger with the same builders."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from geodiloco.builders import build_data, build_model
 from geodiloco.config import load_config
 from geodiloco.status import fetch_status, request_shutdown
 from geodiloco.workload.steps import evaluate_batches
-from helpers import ledger_problems, round_log, spawn_geodiloco, start_coordinator_process
+from helpers import kill_tree, ledger_problems, round_log, spawn_geodiloco, start_coordinator_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -74,4 +73,4 @@ def test_example_trains_its_own_model_through_the_api_and_the_builders(
     finally:
         for proc in (*procs, coordinator):
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # each runs in its own session, ranks included
+                kill_tree(proc)  # torchrun's ranks run in sessions of their own
