@@ -15,6 +15,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from geodiloco import logs
+from geodiloco.builders import build_data, build_model
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.durable import STATE_LABEL
 from geodiloco.coordinator.journal import Journal
@@ -29,8 +30,6 @@ from geodiloco.security.secrets import load_secret
 from geodiloco.security.tls import TlsFiles
 from geodiloco.security.wire import strict_service
 from geodiloco.v1 import admin_pb2, outer_sync_pb2
-from geodiloco.workload.data import DataShards, load_corpus
-from geodiloco.workload.model import build_model
 
 log = logging.getLogger("geodiloco.coordinator")
 
@@ -93,14 +92,13 @@ class ServeOptions:
 
 
 def data_shard_sizes(cfg: RunConfig) -> list[int]:
-    """Windows per data shard, for the ledger (the same text the sites read)."""
-    corpus = load_corpus(cfg.data.paths, cfg.data.max_bytes, cfg.data.eval_fraction)
-    return DataShards(corpus, count=cfg.data.shards, seq_len=cfg.model.seq_len, seed=cfg.seed).sizes
+    """Items per data shard, for the ledger, from the run's data builder (as the sites read it)."""
+    return build_data(cfg).shard_sizes
 
 
 def initial_parameters(cfg: RunConfig) -> torch.Tensor:
-    """θ_0 from the run's seed: the same values every site builds on its own."""
-    return flatten_parameters(build_model(cfg.model, cfg.seed))
+    """θ_0 from the run's model builder and seed: the same values every site builds on its own."""
+    return flatten_parameters(build_model(cfg))
 
 
 class BindError(OSError):

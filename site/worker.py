@@ -1,6 +1,8 @@
-"""One rank of a site: the reference workload's training loop (started by torchrun).
+"""One rank of a site: the daemon's training loop (started by torchrun).
 
-Reads top to bottom: join, build, attach, then H inner steps and one outer sync per round.
+Reads top to bottom: join, build the run's model, optimizer and data with the builders its
+config names (``workload.*``; the reference workload by default), attach, then H inner steps
+and one outer sync per round.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.distributed as dist
 
 import geodiloco.site.checkpoint as checkpoint
 from geodiloco import logs
+from geodiloco.builders import build_data, build_model, build_optimizer
 from geodiloco.distributed import init_distributed, shutdown_distributed
 from geodiloco.lifecycle import GracefulStop
 from geodiloco.logs import setup_logging
@@ -36,17 +39,7 @@ from geodiloco.site.layout import (
     parallelize,
 )
 from geodiloco.site.outer_sync import OuterSync
-from geodiloco.workload import (
-    DataShards,
-    build_model,
-    eval_slice,
-    eval_windows,
-    evaluate,
-    inner_step,
-    load_corpus,
-    make_inner_optimizer,
-    rank_batch,
-)
+from geodiloco.workload.steps import evaluate_batches, inner_step
 
 log = logging.getLogger("geodiloco.site")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -108,46 +101,38 @@ def train(
     telemetry = SiteTelemetry.start(  # ops: metrics and progress (rank 0)
         site, rank, cfg.rounds * cfg.inner.steps_per_round, lambda: (sync.bytes_sent, sync.bytes_received)
     )
-    model = build_model(cfg.model, cfg.seed)
+    model = build_model(cfg)
     trained = parallelize(model, layout, mesh)
     sync.attach(model)
     if rank == 0:
         log.info("layout: %s", layout_summary(layout))
-    optimizer = make_inner_optimizer(model, cfg.inner)
+    optimizer = build_optimizer(model, cfg)
     found = checkpoint.latest(options.checkpoint_dir) if options.checkpoint_dir else None
     if found is not None and not sync.finished:
         resume(found, model, optimizer, sync)
-    corpus = load_corpus(cfg.data.paths, cfg.data.max_bytes, cfg.data.eval_fraction)
-    shards = DataShards(corpus, count=cfg.data.shards, seq_len=cfg.model.seq_len, seed=cfg.seed)
+    data = build_data(cfg)
     dp_rank, dp = data_parallel_rank(mesh), layout.data_parallel
-    site_eval = eval_slice(
-        eval_windows(corpus, cfg.data.eval_sequences, cfg.model.seq_len),
-        part=sync.shard_index,
-        parts=sync.shard_count,
-    )
-    my_eval = eval_slice(site_eval, part=dp_rank, parts=dp)
-    tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
+    # the site's share of the eval set (by its shard index), split among its data-parallel ranks
+    eval_part, eval_parts = sync.shard_index + sync.shard_count * dp_rank, sync.shard_count * dp
     losses: list[float] = []
     started = time.perf_counter()
-    windows = shards.windows(sync.data)
     while not sync.finished:
         if stop.requested():  # all ranks agree, then checkpoint (if asked to) and leave
             if options.checkpoint_dir is not None:
                 checkpoint.save(options.checkpoint_dir, model, optimizer, sync, layout.name)
             break
-        if sync.steps_in_round == 0:
-            windows = shards.windows(sync.data)  # the ledger's share of data for this round
         step = sync.round * cfg.inner.steps_per_round + sync.steps_in_round
-        x, y = rank_batch(windows, sync.steps_in_round, dp_rank, dp, cfg.data.batch_size)
+        batch = data.batch(sync.data, sync.steps_in_round, dp_rank, dp)  # the ledger's data this round
+        tokens = data.tokens(batch)
         step_started = time.perf_counter()  # ops
-        losses.append(inner_step(trained, optimizer, cfg.inner, step, x, y))
-        telemetry.step(time.perf_counter() - step_started, tokens_per_step * dp, sync.round, step + 1)  # ops
+        losses.append(inner_step(trained, optimizer, cfg.inner, step, *batch))
+        telemetry.step(time.perf_counter() - step_started, tokens * dp, sync.round, step + 1)  # ops
         compute_s = time.perf_counter() - started
         sync_started = time.perf_counter()  # ops
-        if not sync.step(tokens=tokens_per_step):
+        if not sync.step(tokens=tokens):
             continue
         sync_s = time.perf_counter() - sync_started  # ops
-        eval_sum, eval_count = evaluate(trained, my_eval)
+        eval_sum, eval_count = evaluate_batches(trained, data.eval_batches(eval_part, eval_parts))
         totals = torch.tensor([eval_sum, float(eval_count), sum(losses) / len(losses)], dtype=torch.float64)
         dist.all_reduce(totals)
         totals[:2] /= layout.tp  # tensor-parallel ranks evaluated the same slice

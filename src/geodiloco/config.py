@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 import types
 import typing
@@ -25,6 +26,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 OUTER_OPTIMIZERS = ("nesterov", "fedavg")
+BUILDERS = ("model", "optimizer", "data")
+_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+_BUILDER_REF = re.compile(rf"{_DOTTED}:{_DOTTED}")
 
 
 class ConfigError(ValueError):
@@ -144,6 +148,38 @@ class LimitsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class WorkloadConfig:
+    """What to train: ``package.module:function`` builders for the model, the inner optimizer
+    and the data (protocols in :mod:`geodiloco.builders`), and free-form ``options`` for them.
+
+    The defaults build the reference workload. The coordinator imports the model and data
+    builders (θ_0 and the ledger's shard sizes), each site all three, so the modules must be
+    importable on every machine of the run (installed, or on ``PYTHONPATH``).
+    """
+
+    model: str = "geodiloco.workload.reference:build_model"
+    optimizer: str = "geodiloco.workload.reference:build_optimizer"
+    data: str = "geodiloco.workload.reference:build_data"
+    options: dict[str, Any] = field(default_factory=dict)  # read by the builders; must be JSON
+
+    def __post_init__(self) -> None:
+        for name in BUILDERS:
+            value = getattr(self, name)
+            _require(
+                isinstance(value, str) and _BUILDER_REF.fullmatch(value) is not None,
+                f"workload.{name}",
+                f"expected 'package.module:function', got {value!r}",
+            )
+        _require(
+            isinstance(self.options, dict), "workload.options", f"expected a table, got {self.options!r}"
+        )
+        try:
+            json.dumps(self.options)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"workload.options: must be plain JSON values ({exc})") from None
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     """One training run across sites."""
 
@@ -161,6 +197,7 @@ class RunConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
 
     def __post_init__(self) -> None:
         _require(bool(self.run_id), "run_id", "must not be empty")
@@ -243,6 +280,10 @@ def _coerce(hint: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected a list, got {value!r}")
         (item,) = typing.get_args(hint)
         return [_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a table, got {value!r}")
+        return value
     if origin in (typing.Union, types.UnionType):
         raise ConfigError(f"{path}: unsupported type")  # not used by the config tree
     if hint is bool:

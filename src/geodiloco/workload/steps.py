@@ -18,8 +18,13 @@ def make_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.Adam
 
 
 def set_lr(optimizer: torch.optim.Optimizer, cfg: InnerConfig, step: int) -> None:
-    """Linear warm-up over ``cfg.warmup_steps`` global steps, then constant."""
-    scale = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    """Linear warm-up to ``cfg.lr`` over ``cfg.warmup_steps`` global steps, then constant.
+
+    Without warm-up the optimizer keeps the lr it was built with (a user's builder may set
+    its own per parameter group)."""
+    if not cfg.warmup_steps:
+        return
+    scale = min(1.0, (step + 1) / cfg.warmup_steps)
     for group in optimizer.param_groups:
         group["lr"] = cfg.lr * scale
 
@@ -29,11 +34,11 @@ def inner_step(
     optimizer: torch.optim.Optimizer,
     cfg: InnerConfig,
     step: int,
-    x: torch.Tensor,
-    y: torch.Tensor,
+    *batch: torch.Tensor,
 ) -> float:
+    """One step on ``batch``, whose mean loss is ``model(*batch)``; returns the loss."""
     set_lr(optimizer, cfg, step)
-    loss = model(x, y)
+    loss = model(*batch)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if cfg.grad_clip:
@@ -63,12 +68,18 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> float
     return total
 
 
-@torch.no_grad()
 def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 32) -> tuple[float, int]:
     """Summed per-sequence mean loss over ``windows`` and their count (merge across ranks)."""
+    batches = (windows[i : i + batch_size] for i in range(0, windows.shape[0], batch_size))
+    return evaluate_batches(model, ((w[:, :-1], w[:, 1:]) for w in batches))
+
+
+@torch.no_grad()
+def evaluate_batches(model: nn.Module, batches: Iterable[tuple[torch.Tensor, ...]]) -> tuple[float, int]:
+    """Summed mean loss ``model(*batch)`` weighted by each batch's rows, and the rows."""
     total, count = 0.0, 0
-    for i in range(0, windows.shape[0], batch_size):
-        w = windows[i : i + batch_size]
-        total += float(model(w[:, :-1], w[:, 1:])) * w.shape[0]
-        count += w.shape[0]
+    for batch in batches:
+        rows = batch[0].shape[0]
+        total += float(model(*batch)) * rows
+        count += rows
     return total, count
