@@ -21,13 +21,13 @@ from geodiloco.compression.errors import CodecError
 MIN_LEVEL, MAX_LEVEL = -7, 22
 FAST_LEVEL = -1  # no Huffman coding of literals: bytes that cannot shrink are stored at memcpy speed
 MIN_GAIN = 0.02  # code at the configured level only if order-0 entropy promises >= 2% fewer bytes
-SAMPLE_STRIDE = 32
+SAMPLES = 8192  # bytes sampled: the entropy estimate is then biased low by < 0.03 bits/byte
 MIN_SAMPLED = 1 << 16  # below this size, always code at the configured level
 
 
 def estimated_gain(data: bytes | memoryview) -> float:
-    """1 - H/8, H the order-0 entropy (bits/byte) of every ``SAMPLE_STRIDE``-th byte."""
-    sample = np.frombuffer(data, dtype=np.uint8)[::SAMPLE_STRIDE]
+    """1 - H/8, H the order-0 entropy (bits/byte) of about ``SAMPLES`` evenly spaced bytes."""
+    sample = np.frombuffer(data, dtype=np.uint8)[:: max(1, len(data) // SAMPLES)]
     counts = np.bincount(sample, minlength=256)
     p = counts[counts > 0] / sample.size
     return float(1.0 + (p * np.log2(p)).sum() / 8.0)
