@@ -76,6 +76,17 @@ def summarise(name: str, spec: str, runs: list[dict[str, Any]], params: int, chu
     }
 
 
+def summarise_all(
+    pipelines: dict[str, str], runs: dict[str, list[dict[str, Any]]], params: int, chunk: int
+) -> list[dict[str, Any]]:
+    return [summarise(n, spec, runs[n], params, chunk) for n, spec in pipelines.items() if runs[n]]
+
+
+def write_json(path: Path, results: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+
+
 def paired_deltas(entry: dict[str, Any], none: dict[str, Any] | None) -> list[float]:
     """Relative final-loss difference to the uncompressed run of the same seed, per seed."""
     if none is None:
@@ -134,21 +145,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, help="write a PNG of eval loss against tokens here")
     parser.add_argument("--rounds", type=int, help="outer rounds per run (default: the demo's 36)")
     parser.add_argument("--seeds", type=int, nargs="+", help="model and data seeds (default: the demo's)")
-    parser.add_argument("--only", nargs="*", help="run only these of the pipelines (by name)")
+    parser.add_argument("--only", nargs="*", help="run only these of the pipelines (by name, in this order)")
     parser.add_argument(
         "--extra", nargs="*", default=[], metavar="NAME=SPEC", help="more pipelines: 'q4-b32=q4:32|zstd:1'"
     )
     parser.add_argument("--keep", type=Path, help="keep every run's logs under this folder")
+    parser.add_argument(
+        "--resume", type=Path, help="start from the runs in this JSON (an earlier --json) and skip those"
+    )
     args = parser.parse_args(argv)
     defaults = demo_config(DemoOptions(baseline=False))
     seeds = args.seeds or [defaults.seed]
     extra = dict(e.split("=", 1) for e in args.extra)
-    pipelines = {n: s for n, s in PIPELINES.items() if args.only is None or n in args.only} | extra
+    unknown = [n for n in args.only or [] if n not in PIPELINES]
+    if unknown:
+        parser.error(f"unknown pipeline names {unknown}; known: {', '.join(PIPELINES)} (or use --extra)")
+    pipelines = {n: PIPELINES[n] for n in args.only} if args.only is not None else dict(PIPELINES)
+    pipelines |= extra
     params = num_parameters(build_model(defaults.model, defaults.seed))
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in pipelines}
-    results: list[dict[str, Any]] = []
+    if args.resume and args.resume.exists():
+        for entry in json.loads(args.resume.read_text()):
+            if pipelines.get(entry["name"]) == entry["pipeline"]:
+                runs[entry["name"]] = [r for r in entry["runs"] if r["seed"] in seeds]
     for seed in seeds:  # seed by seed, so that an interrupted sweep still has paired comparisons
         for name, spec in pipelines.items():
+            if any(r["seed"] == seed for r in runs[name]):
+                continue  # measured already (--resume)
             label = f"{name.replace('%', '')}-{seed}"
             if args.keep:
                 run_dir = args.keep / label
@@ -158,14 +181,13 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 with tempfile.TemporaryDirectory(prefix=f"convergence-{label}-") as tmp:
                     runs[name].append(run_one(name, spec, args.rounds, seed, Path(tmp)))
-            results = [
-                summarise(n, s, runs[n], params, defaults.compression.chunk_elements)
-                for n, s in pipelines.items()
-                if runs[n]
-            ]
             if args.json:  # after every run, so a long sweep leaves its results as it goes
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(results, indent=2))
+                write_json(
+                    args.json, summarise_all(pipelines, runs, params, defaults.compression.chunk_elements)
+                )
+    results = summarise_all(pipelines, runs, params, defaults.compression.chunk_elements)
+    if args.json:
+        write_json(args.json, results)
     print(table(results))
     if args.plot:
         plot(results, args.plot)
