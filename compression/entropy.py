@@ -26,8 +26,12 @@ MIN_SAMPLED = 1 << 16  # below this size, always code at the configured level
 
 
 def estimated_gain(data: bytes | memoryview) -> float:
-    """1 - H/8, H the order-0 entropy (bits/byte) of about ``SAMPLES`` evenly spaced bytes."""
-    sample = np.frombuffer(data, dtype=np.uint8)[:: max(1, len(data) // SAMPLES)]
+    """1 - H/8, H the order-0 entropy (bits/byte) of about ``SAMPLES`` evenly spaced bytes.
+
+    The stride is odd, so the sample covers every byte position of multi-byte values (an even
+    stride on fp32 data would see only one byte of each value).
+    """
+    sample = np.frombuffer(data, dtype=np.uint8)[:: max(1, len(data) // SAMPLES) | 1]
     counts = np.bincount(sample, minlength=256)
     p = counts[counts > 0] / sample.size
     return float(1.0 + (p * np.log2(p)).sum() / 8.0)
