@@ -32,6 +32,7 @@ from geodiloco.compression import decode_chunks_into, encode_chunks, parse_pipel
 from geodiloco.compression.envelope import HEADER_SIZE
 from geodiloco.demo import DemoOptions, demo_config
 from geodiloco.params import flatten_parameters
+from geodiloco.progress import Progress
 from geodiloco.security.sealing import NONCE_BYTES, Sealer
 from geodiloco.workload import (
     DataRange,
@@ -215,15 +216,25 @@ def main(argv: list[str] | None = None) -> None:
     tensors = {"pseudo-gradient": pseudo_gradient(), "gaussian": torch.randn(1 << 20)}
     rows: list[Row] = []
     memcpy: dict[str, float] = {}
+    large = LARGE_PIPELINES if args.large else []
+    progress = Progress("codec benchmark", (len(tensors) * len(args.pipelines) + len(large)) * len(WRAPPERS))
+
+    def done(row: Row) -> Row:
+        progress.advance(note=f"{row.name} ({row.sealed}) on {row.tensor}")
+        return row
+
     for tensor, x in tensors.items():
         memcpy[tensor] = memcpy_mbps(x, args.repeats)
-        rows += [measure(s, tensor, x, sealed, args.repeats) for s in args.pipelines for sealed in WRAPPERS]
+        rows += [
+            done(measure(s, tensor, x, sealed, args.repeats)) for s in args.pipelines for sealed in WRAPPERS
+        ]
         memcpy[tensor] = max(memcpy[tensor], memcpy_mbps(x, args.repeats))  # before and after
     if args.large:
         tensor, x = f"gaussian {args.large * 4 >> 20} MB, chunked", torch.randn(args.large)
         memcpy[tensor] = memcpy_mbps(x, 5)
-        rows += [measure_chunked(s, tensor, x, sealed, 5) for s in LARGE_PIPELINES for sealed in WRAPPERS]
+        rows += [done(measure_chunked(s, tensor, x, sealed, 5)) for s in large for sealed in WRAPPERS]
         memcpy[tensor] = max(memcpy[tensor], memcpy_mbps(x, 5))
+    progress.close()
     print(table(rows, memcpy))
     if args.json:
         entries: list[dict[str, object]] = [asdict(r) for r in rows]

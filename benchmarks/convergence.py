@@ -27,6 +27,7 @@ from typing import Any
 from geodiloco.compression import parse_pipeline
 from geodiloco.demo import DemoOptions, demo_config, run_diloco
 from geodiloco.params import num_parameters
+from geodiloco.progress import Progress
 from geodiloco.workload import build_model
 
 PIPELINES = {
@@ -168,10 +169,14 @@ def main(argv: list[str] | None = None) -> None:
         for entry in json.loads(args.resume.read_text()):
             if pipelines.get(entry["name"]) == entry["pipeline"]:
                 runs[entry["name"]] = [r for r in entry["runs"] if r["seed"] in seeds]
-    for seed in seeds:  # seed by seed, so that an interrupted sweep still has paired comparisons
-        for name, spec in pipelines.items():
-            if any(r["seed"] == seed for r in runs[name]):
-                continue  # measured already (--resume)
+    todo = [
+        (seed, name, spec)
+        for seed in seeds  # seed by seed, so that an interrupted sweep still has paired comparisons
+        for name, spec in pipelines.items()
+        if not any(r["seed"] == seed for r in runs[name])  # measured already (--resume)
+    ]
+    with Progress("convergence runs", max(1, len(todo)), every_s=0) as progress:
+        for seed, name, spec in todo:
             label = f"{name.replace('%', '')}-{seed}"
             if args.keep:
                 run_dir = args.keep / label
@@ -182,9 +187,9 @@ def main(argv: list[str] | None = None) -> None:
                 with tempfile.TemporaryDirectory(prefix=f"convergence-{label}-") as tmp:
                     runs[name].append(run_one(name, spec, args.rounds, seed, Path(tmp)))
             if args.json:  # after every run, so a long sweep leaves its results as it goes
-                write_json(
-                    args.json, summarise_all(pipelines, runs, params, defaults.compression.chunk_elements)
-                )
+                chunk = defaults.compression.chunk_elements
+                write_json(args.json, summarise_all(pipelines, runs, params, chunk))
+            progress.advance(note=f"{name} seed {seed} done")
     results = summarise_all(pipelines, runs, params, defaults.compression.chunk_elements)
     if args.json:
         write_json(args.json, results)

@@ -23,6 +23,12 @@ class LateContribution(FailedPrecondition):
     """A push for a round that already closed without it (a straggler)."""
 
 
+class Unavailable(CoordinatorError):
+    """Try again shortly (e.g. the same part of a push is still being received)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class ContributionMissing(CoordinatorError):
     """A site waits for a round it has no contribution in (lost in a restart): push again."""
 

@@ -24,7 +24,7 @@ import torch
 from geodiloco.compression import EncodedChunk, ErrorFeedback, encode_chunks, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.aggregator import WeightedMean
-from geodiloco.coordinator.durable import STATE_FILE, load_state, save_state
+from geodiloco.coordinator.durable import STATE_FILE, StateError, load_state, save_state
 from geodiloco.coordinator.errors import (
     ContributionMissing,
     FailedPrecondition,
@@ -34,7 +34,9 @@ from geodiloco.coordinator.errors import (
 )
 from geodiloco.coordinator.ledger import DataLedger
 from geodiloco.coordinator.outer_optimizer import build_outer_optimizer
+from geodiloco.coordinator.reports import REPORT_LOG, HashReport, append_report, read_reports
 from geodiloco.params import state_hash
+from geodiloco.security.sealing import Sealer
 from geodiloco.workload.data import DataRange
 
 log = logging.getLogger("geodiloco.coordinator")
@@ -109,10 +111,18 @@ class RoundRecord:
 
 
 class RoundController:
-    """Owns θ, the outer optimizer and the run's membership; one per coordinator."""
+    """Owns θ, the outer optimizer and the run's membership; one per coordinator.
+
+    With ``run_dir`` every commit is durable there (sealed with ``sealer`` when the run seals
+    its payloads) and a restart resumes from it."""
 
     def __init__(
-        self, cfg: RunConfig, initial: torch.Tensor, shard_sizes: list[int], run_dir: Path | None = None
+        self,
+        cfg: RunConfig,
+        initial: torch.Tensor,
+        shard_sizes: list[int],
+        run_dir: Path | None = None,
+        sealer: Sealer | None = None,
     ) -> None:
         self.cfg = cfg
         self.shard_sizes = list(shard_sizes)
@@ -139,12 +149,16 @@ class RoundController:
         self._changed = asyncio.Condition()
         self._commit_lock = asyncio.Lock()
         self.run_dir = run_dir
+        self.sealer = sealer
+        self._logged: int | None = None  # lines in the round log, once read
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
-            state = load_state(run_dir / STATE_FILE)
+            state = load_state(run_dir / STATE_FILE, sealer)
             if state is not None:
                 self.restore(state)
                 self._sync_round_log()
+                for report in read_reports(run_dir / REPORT_LOG):
+                    self._apply_report(report)
 
     # -- membership -------------------------------------------------------------------------
 
@@ -371,7 +385,7 @@ class RoundController:
             return
         snapshot = self.snapshot()
         try:
-            await asyncio.to_thread(save_state, self.run_dir / STATE_FILE, snapshot)
+            await asyncio.to_thread(save_state, self.run_dir / STATE_FILE, snapshot, self.sealer)
         except OSError:
             log.critical("cannot commit round %d to %s; exiting", self.round - 1, self.run_dir, exc_info=True)
             os._exit(70)
@@ -381,19 +395,27 @@ class RoundController:
         """Append the committed rounds the log does not have yet (one line each, in order)."""
         assert self.run_dir is not None
         path = self.run_dir / ROUND_LOG
-        logged = len(path.read_text().splitlines()) if path.exists() else 0
+        if self._logged is None:  # read once per process, not at every commit
+            data = path.read_bytes() if path.exists() else b""
+            complete = data.rfind(b"\n") + 1
+            if complete < len(data):  # a crash while a line was written: rewrite it from the history
+                log.warning("%s: dropping a torn last line (%d bytes)", path, len(data) - complete)
+                os.truncate(path, complete)
+            self._logged = data.count(b"\n")
         with open(path, "a") as f:
-            for record in self.history[logged:]:
+            for record in self.history[self._logged :]:
                 line = {
                     "round": record.round,
                     "contributors": record.contributors,
                     "tokens": record.tokens,
+                    "base_hash": self.hashes[record.round],  # θ it started from: the log chains
                     "state_hash": record.state_hash,
                     "update_bytes": record.update_bytes,
                     "duration_s": round(record.duration_s, 3),
                     "data": record.data,
                 }
                 f.write(json.dumps(line) + "\n")
+        self._logged = len(self.history)
 
     def snapshot(self) -> dict[str, Any]:
         """Everything a restarted coordinator needs to resume after the last committed round."""
@@ -412,12 +434,12 @@ class RoundController:
 
     def restore(self, state: dict[str, Any]) -> None:
         if state["run_id"] != self.cfg.run_id:
-            raise ValueError(
+            raise StateError(
                 f"the state in {self.run_dir} belongs to run {state['run_id']!r}, not {self.cfg.run_id!r}"
             )
         theta = state["theta"]
         if theta.numel() != self.num_params:
-            raise ValueError(f"the saved state has {theta.numel()} parameters, the model {self.num_params}")
+            raise StateError(f"the saved state has {theta.numel()} parameters, the model {self.num_params}")
         self.theta = theta.clone()
         self.theta_norm = float(self.theta.norm())
         self.round = int(state["round"])
@@ -473,7 +495,7 @@ class RoundController:
             self._full_state = FullState(self.round, FULL_STATE_CODEC, chunks, self.hashes[self.round])
         return self._full_state
 
-    def report(
+    async def report(
         self,
         name: str,
         run_id: str,
@@ -483,8 +505,10 @@ class RoundController:
         eval_count: int,
         train_loss: float,
     ) -> tuple[bool, str]:
-        """A site's parameter hash and metrics after applying the update that closed ``round_``."""
-        record = self.member(name, run_id)
+        """A site's parameter hash and metrics after applying the update that closed ``round_``.
+
+        Durable before it is answered: it arrives after the round's snapshot was written."""
+        self.member(name, run_id)
         expected = self.hashes.get(round_ + 1)
         if expected is None:
             raise FailedPrecondition(f"round {round_} has not been committed")
@@ -497,17 +521,33 @@ class RoundController:
                 digest[:12],
                 expected[:12],
             )
-        record.hash_ok = ok
-        record.last_report_round = round_
-        record.train_loss = train_loss
-        if eval_count:
-            record.eval_loss = eval_loss_sum / eval_count
-        history = self.history[round_]  # committed rounds are contiguous from 0
-        if name not in history.hash_reports:
-            history.hash_reports[name] = ok
-            history.eval_loss_sum += eval_loss_sum
-            history.eval_count += eval_count
+        report = HashReport(round_, name, ok, eval_loss_sum, eval_count, train_loss)
+        if self._apply_report(report) and self.run_dir is not None:
+            try:
+                await asyncio.to_thread(append_report, self.run_dir / REPORT_LOG, report)
+            except OSError:  # metrics only: the run goes on; the next commit persists it anyway
+                log.error("cannot persist the report of %s for round %d", name, round_, exc_info=True)
         return ok, expected
+
+    def _apply_report(self, report: HashReport) -> bool:
+        """Record a report; False when the round already had this site's report."""
+        if not 0 <= report.round < len(self.history):
+            log.warning("ignoring a report of %s for uncommitted round %d", report.site, report.round)
+            return False
+        record = self.sites.get(report.site)
+        if record is not None and report.round >= record.last_report_round:
+            record.hash_ok = report.hash_ok
+            record.last_report_round = report.round
+            record.train_loss = report.train_loss
+            if report.eval_count:
+                record.eval_loss = report.eval_loss_sum / report.eval_count
+        history = self.history[report.round]  # committed rounds are contiguous from 0
+        if report.site in history.hash_reports:
+            return False
+        history.hash_reports[report.site] = report.hash_ok
+        history.eval_loss_sum += report.eval_loss_sum
+        history.eval_count += report.eval_count
+        return True
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -528,6 +568,11 @@ class RoundController:
         if self.overdue(time.monotonic()) and len(self.mean.contributors) < self.cfg.quorum:
             return "waiting_for_quorum"  # past the deadline, but too few contributions to commit
         return "training"
+
+    async def settle(self) -> None:
+        """Wait until a commit in progress is durable and published (graceful shutdown)."""
+        async with self._commit_lock:
+            pass
 
     def all_sites_done(self) -> bool:
         return self.finished and all(s.state != "joined" for s in self.sites.values())

@@ -14,9 +14,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from geodiloco import logs
 from geodiloco.config import RunConfig
+from geodiloco.coordinator.durable import STATE_LABEL
+from geodiloco.coordinator.journal import Journal
+from geodiloco.coordinator.metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.coordinator.service import AdminServicer, OuterSyncServicer
+from geodiloco.metrics import MetricsServer, serve_metrics
 from geodiloco.params import flatten_parameters
 from geodiloco.security.policy import ServerSecurity, is_loopback
 from geodiloco.security.sealing import Keyring
@@ -59,8 +64,14 @@ class ServeOptions:
     tls: TlsFiles | None = None
     run_secret: Path | None = None
     insecure: bool = False
+    metrics_port: int | None = None  # Prometheus /metrics on ``host`` (0 picks a free port)
+    health_port: int | None = None  # plaintext grpc.health.v1 only, for probes that cannot do mTLS
 
     def __post_init__(self) -> None:
+        for name in ("port", "metrics_port", "health_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name}: {value} is not a TCP port (0-65535)")
         if self.insecure:
             if not is_loopback(self.host):
                 raise ValueError(
@@ -106,6 +117,10 @@ class RunningServer:
     port: int
     stop: asyncio.Event
     grace_s: float
+    metrics: CoordinatorMetrics
+    journal: Journal
+    health_server: grpc.aio.Server | None = None
+    health_port: int = 0
 
     def request_stop(self, grace_s: float | None = None) -> None:
         if grace_s is not None:
@@ -113,8 +128,32 @@ class RunningServer:
         self.stop.set()
 
     async def shutdown(self) -> None:
+        """NOT_SERVING first (probes and balancers stop sending work), then let a commit in
+        progress become durable, then give open calls ``grace_s`` to finish."""
         await self.health.enter_graceful_shutdown()
+        await self.controller.settle()
+        log.info(
+            "stopping: %d rounds committed%s; grace %.1fs for open calls",
+            self.controller.round,
+            " and durable" if self.controller.run_dir is not None else " (no --run-dir: not durable)",
+            self.grace_s,
+        )
         await self.server.stop(self.grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
+
+    async def start_health_port(self, host: str, port: int) -> None:
+        """A plaintext server with only the health service (Kubernetes gRPC probes speak no mTLS)."""
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        try:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            raise BindError(f"health: cannot listen on {host}:{port} (address in use or not available)")
+        await server.start()
+        self.health_server, self.health_port = server, bound
 
 
 async def start_server(
@@ -125,11 +164,21 @@ async def start_server(
     # A message over the limit is refused by gRPC (RESOURCE_EXHAUSTED) before it is buffered.
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     server = grpc.aio.server(options=[*options, *SERVER_OPTIONS])
-    running = RunningServer(server, health_aio.HealthServicer(), controller, 0, asyncio.Event(), grace_s)
+    running = RunningServer(
+        server,
+        health_aio.HealthServicer(),
+        controller,
+        0,
+        asyncio.Event(),
+        grace_s,
+        CoordinatorMetrics(controller),
+        Journal(controller.run_dir),
+    )
     admin = AdminServicer(controller, running.request_stop, security)
+    outer_sync = OuterSyncServicer(controller, security, running.metrics, running.journal)
     server.add_generic_rpc_handlers(
         (
-            strict_service(OUTER_SYNC, OuterSyncServicer(controller, security)),
+            strict_service(OUTER_SYNC, outer_sync),
             strict_service(ADMIN, admin),
         )
     )
@@ -157,7 +206,7 @@ async def run_until_stopped(running: RunningServer, exit_when_finished: bool = F
         try:
             await asyncio.wait_for(running.stop.wait(), timeout=TICK_S)
         except asyncio.TimeoutError:
-            await controller.tick()
+            await _tick(running)
             if exit_when_finished and controller.all_sites_done():
                 log.info("run %s finished and every site has left; stopping", controller.cfg.run_id)
                 running.stop.set()
@@ -165,11 +214,48 @@ async def run_until_stopped(running: RunningServer, exit_when_finished: bool = F
     log.info("coordinator stopped at round %d", controller.round)
 
 
+async def _tick(running: RunningServer) -> None:
+    """One controller tick; sites whose lease ran out in it are counted and journaled."""
+    controller = running.controller
+    joined = [name for name, s in controller.sites.items() if s.state == "joined"]
+    await controller.tick()
+    for name in joined:
+        if controller.sites[name].state == "lost":
+            running.metrics.lease_expiries.labels(site=name).inc()
+            running.journal.write("lease_expired", site=name, round=controller.round)
+
+
 async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
     """The `geodiloco coordinator serve` process: serve until SIGINT/SIGTERM or Shutdown."""
-    controller = RoundController(cfg, initial_parameters(cfg), data_shard_sizes(cfg), opts.run_dir)
     security = opts.security(cfg.run_id)
+    sealer = security.keyring.at_rest(STATE_LABEL) if security.keyring else None  # state sealed at rest
+    controller = RoundController(cfg, initial_parameters(cfg), data_shard_sizes(cfg), opts.run_dir, sealer)
+    logs.bind(run=cfg.run_id, round=lambda: controller.round)
     running = await start_server(controller, opts.host, opts.port, security=security, grace_s=opts.grace_s)
+    metrics: MetricsServer | None = None
+    try:
+        if opts.health_port is not None:
+            await running.start_health_port(opts.host, opts.health_port)
+            log.info("health (plaintext, grpc.health.v1 only) on %s:%d", opts.host, running.health_port)
+        if opts.metrics_port is not None:
+            try:
+                metrics = serve_metrics(running.metrics.registry, opts.host, opts.metrics_port)
+            except OSError as exc:
+                raise BindError(str(exc)) from None
+    except BindError:
+        await running.server.stop(0)
+        raise
+    try:
+        await _serve_until_stopped(cfg, opts, running, security)
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+async def _serve_until_stopped(
+    cfg: RunConfig, opts: ServeOptions, running: RunningServer, security: ServerSecurity
+) -> None:
+    controller = running.controller
     log.info(
         "coordinator for run %s serving on %s:%d, %s, payloads %s (%d parameters, sites: %s)",
         cfg.run_id,

@@ -16,23 +16,27 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
-import torch
 from google.protobuf.message import Message
 
 from geodiloco import __version__
-from geodiloco.compression import CodecError
+from geodiloco.compression import CodecError, EncodedChunk
+from geodiloco.coordinator.assembly import MAX_PARTS, Assembly, check_segment
 from geodiloco.coordinator.errors import (
     CoordinatorError,
     DeadlineExceeded,
     InvalidArgument,
+    LateContribution,
     ResourceExhausted,
 )
+from geodiloco.coordinator.journal import Journal
+from geodiloco.coordinator.metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.security.chunks import KeyMismatch, open_delta, seal_update
 from geodiloco.security.policy import Denied, ServerSecurity, is_admin, peer_identity, require_site
 from geodiloco.security.ratelimit import RateLimiter
 from geodiloco.security.sealing import SealError
 from geodiloco.security.wire import MalformedRequest
+from geodiloco.segment import Segment, segment_of
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
 from geodiloco.wire import ranges_from_proto, ranges_to_proto
 
@@ -64,6 +68,13 @@ async def _abort(context: grpc.aio.ServicerContext, rpc: str, site: str, exc: Ex
     await context.abort(code, str(exc))
 
 
+def _segment(chunk: Any, seq: int) -> Segment:
+    try:
+        return segment_of(chunk.header)
+    except ValueError as exc:
+        raise InvalidArgument(f"chunk {seq}: {exc}") from None
+
+
 async def _next_chunk(chunks: AsyncIterator[Any], timeout_s: float) -> Any:
     """The next message of a push, or None at its end; a stalled stream is abandoned."""
     try:
@@ -77,10 +88,19 @@ async def _next_chunk(chunks: AsyncIterator[Any], timeout_s: float) -> Any:
 
 
 class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
-    def __init__(self, controller: RoundController, security: ServerSecurity) -> None:
+    def __init__(
+        self,
+        controller: RoundController,
+        security: ServerSecurity,
+        metrics: CoordinatorMetrics | None = None,
+        journal: Journal | None = None,
+    ) -> None:
         self.c = controller
         self.security = security
         self.joins = RateLimiter(controller.cfg.limits.joins_per_minute)
+        self.assemblies: dict[tuple[str, int], Assembly] = {}  # (site, round) -> parts so far
+        self.metrics = metrics or CoordinatorMetrics(controller)
+        self.journal = journal or Journal(None)
 
     def _count(self, site: str, received: Message | None = None, sent: Message | None = None) -> None:
         self.c.count_bytes(
@@ -153,7 +173,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         async def handle() -> Any:
             if request.eval_count and not math.isfinite(request.eval_loss_sum):
                 raise InvalidArgument("eval_loss_sum must be finite")
-            ok, expected = self.c.report(
+            ok, expected = await self.c.report(
                 request.site,
                 request.run_id,
                 request.round,
@@ -161,6 +181,16 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 request.eval_loss_sum,
                 request.eval_count,
                 _finite_or_zero(request.train_loss),
+            )
+            self.journal.write(
+                "report",
+                site=request.site,
+                round=request.round,
+                eval_loss_sum=request.eval_loss_sum,
+                eval_count=request.eval_count,
+                train_loss=_finite_or_zero(request.train_loss),
+                tokens=request.tokens,
+                compute_s=_finite_or_zero(request.compute_seconds),
             )
             return outer_sync_pb2.ReportResponse(hash_ok=ok, expected_hash=expected)
 
@@ -174,60 +204,83 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         return await self._unary("Leave", request, context, handle)
 
     async def PushDelta(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
-        site, round_, fragment, payload_bytes = "", 0, 0, 0
+        site, round_, fragment, payload_bytes, wire_bytes = "", 0, 0, 0, 0
         timeout_s = self.c.cfg.limits.chunk_timeout_s
+        assembly: Assembly | None = None
+        first: Any = None
+        started = time.time()
+        covered = 0
         try:
-            staging: torch.Tensor | None = None
-            first: Any = None
             duplicate = False
-            covered = index = 0
+            index = 0
             while (chunk := await _next_chunk(request_iterator, timeout_s)) is not None:
                 h = chunk.header
+                opened = None
                 if first is None:
                     require_site(self.security, context, h.site)
                     first, site, round_, fragment = chunk, h.site, h.round, h.fragment
-                    duplicate = self._check_first_chunk(chunk)
-                    if not duplicate:
-                        staging = torch.empty(self.c.num_params, dtype=torch.float32)
+                    assembly, opened = self._begin_part(chunk)
+                    duplicate = assembly is None
                 self._count(site, received=chunk)
-                self._check_chunk(first, chunk, index, covered)
+                wire_bytes += chunk.ByteSize()
+                segment = self._check_chunk(first, chunk, index)
+                covered += segment.numel
                 payload_bytes += len(chunk.payload)
-                if staging is not None:
-                    payload = self._open(chunk)
-                    out = staging[h.start : h.start + h.numel]
-                    out.copy_(await asyncio.to_thread(self.c.uplink.decode, payload, h.numel))
-                covered += h.numel
+                if assembly is not None:
+                    out = assembly.claim(first.part, segment)
+                    payload = opened if opened is not None else self._open(chunk)
+                    values = await asyncio.to_thread(self.c.uplink.decode, payload, h.numel)
+                    out.copy_(values.view(out.shape))
                 index += 1
             if first is None:
                 raise InvalidArgument("empty push: no chunks received")
-            if index != first.total_chunks or covered != self.c.num_params:
-                raise InvalidArgument(
-                    f"push ended after {index} of {first.total_chunks} chunks covering "
-                    f"{covered} of {self.c.num_params} elements"
-                )
-            if staging is not None:
-                data = ranges_from_proto(first.data)
-                accepted = await self.c.contribute(
-                    site, first.header.run_id, round_, first.tokens, staging, data
-                )
-                duplicate = not accepted
+            if index != first.total_chunks:
+                raise InvalidArgument(f"push part ended after {index} of {first.total_chunks} chunks")
+            outcome = "duplicate" if assembly is None else await self._finish_part(first, assembly)
+            duplicate = outcome == "duplicate"
         except REFUSALS as exc:
+            self._abandon(first, assembly)
             self.c.record_rejection(site, exc)
+            outcome = "late" if isinstance(exc, LateContribution) else "rejected"
+            self._pushed(site, round_, started, wire_bytes, outcome, _status(exc).name)
             await _abort(context, "PushDelta", site, exc)
+        except BaseException:  # cancelled (the stream broke): the retry must find the part free
+            self._abandon(first, assembly)
+            raise
+        self._pushed(site, round_, started, wire_bytes, outcome)
+        if not duplicate:
+            self.metrics.push_compressed(site, covered, payload_bytes)
         ack = outer_sync_pb2.PushAck(
             round=round_, fragment=fragment, duplicate=duplicate, payload_bytes=payload_bytes
         )
         self._count(site, sent=ack)
         return ack
 
-    def _open(self, chunk: Any) -> bytes:
-        if self.security.keyring is None:
-            return bytes(chunk.payload)
-        return open_delta(self.security.keyring.site(chunk.header.site).up, chunk)
+    def _abandon(self, first: Any, assembly: Assembly | None) -> None:
+        """Give back what a failed part claimed; an assembly no part completed goes entirely."""
+        if assembly is None:
+            return
+        assembly.abandon(first.part)
+        key = (first.header.site, first.header.round)
+        if not assembly.received and not assembly.streaming and self.assemblies.get(key) is assembly:
+            del self.assemblies[key]
 
-    def _check_first_chunk(self, chunk: Any) -> bool:
+    def _pushed(
+        self, site: str, round_: int, started: float, wire_bytes: int, outcome: str, reason: str = ""
+    ) -> None:
+        """Metrics and journal for one push stream: a whole contribution accepted, one part of
+        it received ("part"), a duplicate, or a refusal (late, rejected)."""
+        self.metrics.contribution(site, outcome, reason)
+        self.journal.write(
+            "push", site=site, round=round_, t0=started, t1=time.time(), bytes=wire_bytes, outcome=outcome
+        )
+
+    def _begin_part(self, chunk: Any) -> tuple[Assembly | None, bytes | None]:
+        """The assembly this part goes into and its first payload, authenticated before anything
+        of the chunk is trusted; (None, None) when the push is a duplicate (nothing to do)."""
         h = chunk.header
-        duplicate = self.c.check_push(h.site, h.run_id, h.round)
+        if self.c.check_push(h.site, h.run_id, h.round):
+            return None, None
         if h.fragment != 0:
             raise InvalidArgument(f"fragment {h.fragment} does not exist; this run has one fragment (0)")
         if h.codec != self.c.uplink.spec:
@@ -236,9 +289,42 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             raise InvalidArgument("tokens must be > 0")
         if not 0 < chunk.total_chunks <= self.c.num_params:
             raise InvalidArgument(f"total_chunks {chunk.total_chunks} is out of range")
-        return duplicate
+        parts = chunk.parts or 1
+        if not 0 < parts <= MAX_PARTS or chunk.part >= parts:
+            raise InvalidArgument(f"part {chunk.part} of {parts} is out of range (at most {MAX_PARTS} parts)")
+        opened = self._open(chunk)
+        for key in [k for k in self.assemblies if k[1] < self.c.round]:  # rounds that closed
+            del self.assemblies[key]
+        data = ranges_from_proto(chunk.data)
+        assembly = self.assemblies.get((h.site, h.round))
+        if assembly is None:
+            assembly = Assembly.open(h.round, self.c.num_params, parts, chunk.tokens, data)
+            self.assemblies[(h.site, h.round)] = assembly
+        if not assembly.begin(chunk.part, parts, chunk.tokens, data):
+            return None, None
+        return assembly, opened
 
-    def _check_chunk(self, first: Any, chunk: Any, index: int, covered: int) -> None:
+    async def _finish_part(self, first: Any, assembly: Assembly) -> str:
+        """Record a complete part; the last one hands the whole contribution to the controller.
+        Returns "part", "accepted" (the contribution is in) or "duplicate"."""
+        h = first.header
+        assembly.finish(first.part)
+        if not assembly.complete:
+            return "part"
+        del self.assemblies[(h.site, h.round)]
+        assembly.check_covered()
+        accepted = await self.c.contribute(
+            h.site, h.run_id, h.round, assembly.tokens, assembly.values, assembly.data
+        )
+        return "accepted" if accepted else "duplicate"
+
+    def _open(self, chunk: Any) -> bytes:
+        if self.security.keyring is None:
+            return bytes(chunk.payload)
+        return open_delta(self.security.keyring.site(chunk.header.site).up, chunk)
+
+    def _check_chunk(self, first: Any, chunk: Any, index: int) -> Segment:
+        """A chunk consistent with its stream's first one; returns the elements it covers."""
         h, f = chunk.header, first.header
         if h.seq != index:
             raise InvalidArgument(f"chunk {index} carries sequence number {h.seq}")
@@ -250,24 +336,28 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             f.codec,
         ):
             raise InvalidArgument(f"chunk {h.seq} header differs from the stream's first chunk")
-        if (chunk.tokens, chunk.total_chunks) != (first.tokens, first.total_chunks):
-            raise InvalidArgument(f"chunk {h.seq}: tokens or total_chunks changed mid-stream")
+        if (chunk.tokens, chunk.total_chunks, chunk.part, chunk.parts) != (
+            first.tokens,
+            first.total_chunks,
+            first.part,
+            first.parts,
+        ):
+            raise InvalidArgument(f"chunk {h.seq}: tokens, total_chunks or part changed mid-stream")
         if h.seq >= first.total_chunks:
             raise InvalidArgument(f"chunk {h.seq} is beyond the declared {first.total_chunks} chunks")
-        if h.start != covered:
-            raise InvalidArgument(f"chunk {h.seq} starts at element {h.start}, expected {covered}")
-        if not 0 < h.numel <= self.c.cfg.compression.chunk_elements or h.start + h.numel > self.c.num_params:
-            raise InvalidArgument(
-                f"chunk {h.seq} covers [{h.start}, {h.start + h.numel}), outside the model's "
-                f"{self.c.num_params} parameters or over {self.c.cfg.compression.chunk_elements} elements"
-            )
+        segment = _segment(chunk, index)
+        check_segment(segment, self.c.num_params, self.c.cfg.compression.chunk_elements, h.seq)
+        return segment
 
     async def PullUpdate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         kind = request.kind
+        requested = time.time()
         try:
             require_site(self.security, context, request.site)
             self._count(request.site, received=request)
             self.c.member(request.site, request.run_id)
+            if not 0 <= request.part < max(request.parts, 1) <= MAX_PARTS:
+                raise InvalidArgument(f"part {request.part} of {request.parts} is out of range")
             if kind == outer_sync_pb2.PullRequest.UPDATE:
                 update = await self._wait_for_update(request.round, request.site)
                 if update is not None:
@@ -284,7 +374,12 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         except REFUSALS as exc:
             await _abort(context, "PullUpdate", request.site, exc)
         keys = self.security.keyring.site(request.site) if self.security.keyring else None
-        for seq, chunk in enumerate(chunks):
+        ready, sent = time.time(), 0
+        parts = request.parts or 1
+        mine = [(seq, chunk) for seq, chunk in enumerate(chunks) if seq % parts == request.part]
+        if not mine:  # more pullers than chunks: this one gets the stream's facts, no payload
+            mine = [(len(chunks), EncodedChunk(0, 0, b""))]
+        for i, (seq, chunk) in enumerate(mine):
             message = outer_sync_pb2.UpdateChunk(
                 header=outer_sync_pb2.ChunkHeader(
                     run_id=self.c.cfg.run_id,
@@ -302,12 +397,23 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 total_chunks=len(chunks),
                 finished=next_round >= self.c.cfg.rounds,
                 kind=kind,
-                data=ranges_to_proto(self.c.data_for(request.site)) if seq == len(chunks) - 1 else [],
+                data=ranges_to_proto(self.c.data_for(request.site)) if i == len(mine) - 1 else [],
             )
             if keys is not None:
                 seal_update(keys.down, message)
             self._count(request.site, sent=message)
+            sent += message.ByteSize()
             yield message
+        self.journal.write(
+            "pull",
+            site=request.site,
+            round=round_,
+            kind="full_state" if kind == outer_sync_pb2.PullRequest.FULL_STATE else "update",
+            t0=requested,
+            t_ready=ready,
+            t1=time.time(),
+            bytes=sent,
+        )
 
     async def _wait_for_update(self, round_: int, site: str) -> Any:
         """The server's own bound on a pull's wait, whatever deadline the client set."""

@@ -35,6 +35,8 @@ def _fields(msg: Any, direction: str, kind: str) -> ChunkHeaderFields:
         codec=h.codec,
         kind=kind,
         key_id=h.key_id,
+        rows=h.rows,
+        stride=h.stride,
     )
 
 
@@ -44,7 +46,8 @@ def _ranges(data: Any) -> bytes:
 
 
 def _delta_aad(msg: Any) -> bytes:
-    extra = struct.pack(">QII", msg.tokens, msg.total_chunks, len(msg.data)) + _ranges(msg.data)
+    extra = struct.pack(">QIIII", msg.tokens, msg.total_chunks, msg.part, msg.parts, len(msg.data))
+    extra += _ranges(msg.data)
     return _fields(msg, "up", "delta").aad(extra)
 
 

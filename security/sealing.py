@@ -45,6 +45,8 @@ class ChunkHeaderFields:
     codec: str
     kind: str  # delta, update, full_state
     key_id: int
+    rows: int = 0
+    stride: int = 0
 
     def aad(self, extra: bytes = b"") -> bytes:
         """A fixed, length-prefixed encoding: never ambiguous, independent of protobuf."""
@@ -53,9 +55,17 @@ class ChunkHeaderFields:
             for b in (s.encode() for s in (self.direction, self.run_id, self.site, self.codec, self.kind))
         )
         numbers = struct.pack(
-            ">QIQQQI", self.round, self.fragment, self.seq, self.start, self.numel, self.key_id
+            ">QIQQQIIQ",
+            self.round,
+            self.fragment,
+            self.seq,
+            self.start,
+            self.numel,
+            self.key_id,
+            self.rows,
+            self.stride,
         )
-        return b"geodiloco-chunk-v1\0" + text + numbers + struct.pack(">H", len(extra)) + extra
+        return b"geodiloco-chunk-v2\0" + text + numbers + struct.pack(">H", len(extra)) + extra
 
 
 class Sealer:

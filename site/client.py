@@ -7,13 +7,12 @@ coordinator treats a repeated push for the same (run, round, fragment, site) as 
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,9 +21,11 @@ import torch
 
 from geodiloco import __version__
 from geodiloco.compression import CodecError, EncodedChunk, decode_chunks_into, parse_pipeline
+from geodiloco.progress import Progress
 from geodiloco.security.chunks import KeyMismatch, open_update, seal_delta
 from geodiloco.security.sealing import SiteKeys
 from geodiloco.security.tls import TlsFiles, open_channel
+from geodiloco.segment import Segment
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
 from geodiloco.wire import ranges_from_proto, ranges_to_proto
 from geodiloco.workload.data import DataRange
@@ -56,6 +57,7 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.max_reconnect_backoff_ms", 5_000),  # back soon after a coordinator restart (leases are short)
     ("grpc.enable_retries", 1),
     ("grpc.service_config", _RETRY_SERVICE_CONFIG),
 ]
@@ -77,18 +79,48 @@ class JoinInfo:
     heartbeat_interval_s: float
     finished: bool
     data: list[DataRange]  # what to train on in `round`
+    key_id: int = 0  # the sealing key id the run expects from this site (0: not sealed)
 
 
 @dataclass(frozen=True, slots=True)
-class PulledState:
-    """The decoded result of a pull: an update (add it) or full parameters (replace)."""
+class WireChunk:
+    """One encoded chunk of a push and the canonical elements it covers."""
+
+    segment: Segment
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PulledPart:
+    """What one puller received of an update or full state: its share of the chunks (opened,
+    still encoded) and the stream's facts, which are the same for every puller."""
 
     is_full_state: bool
-    values: torch.Tensor
+    codec: str
+    total_chunks: int
+    chunks: dict[int, EncodedChunk]  # by sequence number
     next_round: int
     state_hash: str
     finished: bool
     data: list[DataRange]  # what to train on in `next_round`
+
+    @property
+    def facts(self) -> tuple[bool, str, int, int, str, bool, list[DataRange]]:
+        return (
+            self.is_full_state,
+            self.codec,
+            self.total_chunks,
+            self.next_round,
+            self.state_hash,
+            self.finished,
+            self.data,
+        )
+
+
+def wire_chunk(chunk: WireChunk | EncodedChunk) -> WireChunk:
+    if isinstance(chunk, WireChunk):
+        return chunk
+    return WireChunk(Segment(chunk.start, 1, chunk.numel, chunk.numel), chunk.payload)
 
 
 def delta_messages(
@@ -96,11 +128,15 @@ def delta_messages(
     site: str,
     round_: int,
     codec: str,
-    chunks: list[EncodedChunk],
+    chunks: Sequence[WireChunk | EncodedChunk],
     tokens: int,
     data: list[DataRange] | None = None,
+    part: int = 0,
+    parts: int = 1,
 ) -> list[Any]:
-    """The PushDelta stream for one round's encoded pseudo-gradient."""
+    """The PushDelta stream of one part (one rank's owned elements) of a round's pseudo-gradient;
+    plain encoded chunks are contiguous ranges."""
+    wire = [wire_chunk(c) for c in chunks]
     return [
         outer_sync_pb2.DeltaChunk(
             header=outer_sync_pb2.ChunkHeader(
@@ -110,15 +146,19 @@ def delta_messages(
                 site=site,
                 codec=codec,
                 seq=seq,
-                start=chunk.start,
-                numel=chunk.numel,
+                start=chunk.segment.start,
+                numel=chunk.segment.numel,
+                rows=chunk.segment.rows if chunk.segment.rows > 1 else 0,
+                stride=chunk.segment.stride if chunk.segment.rows > 1 else 0,
             ),
             payload=chunk.payload,
             tokens=tokens,
-            total_chunks=len(chunks),
+            total_chunks=len(wire),
             data=ranges_to_proto(data or []) if seq == 0 else [],
+            part=part,
+            parts=parts,
         )
-        for seq, chunk in enumerate(chunks)
+        for seq, chunk in enumerate(wire)
     ]
 
 
@@ -199,6 +239,7 @@ class OuterSyncClient:
             r.heartbeat_interval_s,
             r.finished,
             ranges_from_proto(r.data),
+            r.key_id,
         )
 
     def _keys_for(self, run_id: str, key_id: int) -> SiteKeys | None:
@@ -253,22 +294,33 @@ class OuterSyncClient:
             self.stub.Leave, outer_sync_pb2.LeaveRequest(run_id=self.run_id, site=self.site, reason=reason)
         )
 
+    def adopt(self, run_id: str, key_id: int) -> None:
+        """Act in a run another rank of this site joined (this rank pushes and pulls its part)."""
+        self.run_id = run_id
+        self.keys = self._keys_for(run_id, key_id)
+
     def push(
         self,
         round_: int,
         codec: str,
-        chunks: list[EncodedChunk],
+        chunks: Sequence[WireChunk | EncodedChunk],
         tokens: int,
         data: list[DataRange] | None = None,
         timeout_s: float = 600.0,
+        part: int = 0,
+        parts: int = 1,
     ) -> Any:
-        """Stream one round's pseudo-gradient; retried as a whole (pushes are idempotent).
+        """Stream one part of a round's pseudo-gradient; retried as a whole (pushes are idempotent).
 
-        ``data`` is what it trained on; by default the data the coordinator last assigned."""
+        ``data`` is what the site trained on; by default the data the coordinator last assigned."""
         data = self.assigned if data is None else data
+        if not chunks:
+            raise ValueError("a push part needs at least one chunk")
 
         def messages() -> Iterator[Any]:
-            for msg in delta_messages(self.run_id, self.site, round_, codec, chunks, tokens, data):
+            for msg in delta_messages(
+                self.run_id, self.site, round_, codec, chunks, tokens, data, part, parts
+            ):
                 if self.keys is not None:
                     seal_delta(self.keys.up, msg)
                 self._count(sent=msg)
@@ -282,36 +334,49 @@ class OuterSyncClient:
         return self._with_backoff(f"push of round {round_}", attempt)
 
     def pull(
-        self, round_: int, num_params: int, full_state: bool = False, timeout_s: float = 900.0
-    ) -> PulledState:
-        """The update closing ``round_`` (waits for its commit), or the full current state."""
+        self,
+        round_: int,
+        full_state: bool = False,
+        timeout_s: float = 900.0,
+        part: int = 0,
+        parts: int = 1,
+    ) -> PulledPart:
+        """This puller's share of the update closing ``round_`` (waits for its commit), or of the
+        full current state: the chunks with ``seq % parts == part``, opened but not decoded."""
         kind = outer_sync_pb2.PullRequest.FULL_STATE if full_state else outer_sync_pb2.PullRequest.UPDATE
-        request = outer_sync_pb2.PullRequest(run_id=self.run_id, site=self.site, round=round_, kind=kind)
+        request = outer_sync_pb2.PullRequest(
+            run_id=self.run_id, site=self.site, round=round_, kind=kind, part=part, parts=parts
+        )
 
-        def attempt() -> PulledState:
+        def attempt() -> PulledPart:
             self._count(sent=request)
-            stream = self.stub.PullUpdate(request, timeout=timeout_s, wait_for_ready=True)
-            first = next(stream, None)
-            if first is None:
+            chunks: dict[int, EncodedChunk] = {}
+            last: Any = None
+            shown: Progress | None = None
+            for msg in self.stub.PullUpdate(request, timeout=timeout_s, wait_for_ready=True):
+                self._count(received=msg)
+                if full_state and shown is None:  # ops: a full state can be large
+                    mine = -(-msg.total_chunks // max(parts, 1))
+                    shown = Progress(f"state transfer of round {msg.next_round}", max(1, mine))
+                if shown is not None:
+                    shown.advance(note=f"{self.bytes_received:,} bytes received")
+                if last is not None and _facts(msg) != _facts(last):
+                    raise CodecError("an update stream changed its codec, round or size midway")
+                last = msg
+                if msg.header.numel == 0:
+                    continue  # no chunk for this puller: only the stream's facts
+                payload = msg.payload if self.keys is None else open_update(self.keys.down, msg)
+                chunks[msg.header.seq] = EncodedChunk(msg.header.start, msg.header.numel, payload)
+            if shown is not None:
+                shown.close()
+            if last is None:
                 raise CodecError("the coordinator sent an empty update stream")
-            last = first
-
-            def chunks() -> Iterator[EncodedChunk]:
-                nonlocal last
-                for msg in itertools.chain([first], stream):
-                    self._count(received=msg)
-                    if msg.header.codec != first.header.codec:
-                        raise CodecError("codec changed in the middle of an update stream")
-                    last = msg
-                    payload = msg.payload if self.keys is None else open_update(self.keys.down, msg)
-                    yield EncodedChunk(msg.header.start, msg.header.numel, payload)
-
-            out = torch.empty(num_params, dtype=torch.float32)
-            decode_chunks_into(parse_pipeline(first.header.codec), chunks(), out)
             self.assigned = ranges_from_proto(last.data)
-            return PulledState(
+            return PulledPart(
                 is_full_state=last.kind == outer_sync_pb2.PullRequest.FULL_STATE,
-                values=out,
+                codec=last.header.codec,
+                total_chunks=last.total_chunks,
+                chunks=chunks,
                 next_round=last.next_round,
                 state_hash=last.state_hash,
                 finished=last.finished,
@@ -319,6 +384,46 @@ class OuterSyncClient:
             )
 
         return self._with_backoff(f"pull of round {round_}", attempt)
+
+    def pull_tensor(
+        self, round_: int, num_params: int, full_state: bool = False, timeout_s: float = 900.0
+    ) -> PulledState:
+        """Pull all of the update closing ``round_`` (or the full state) and decode it: for a
+        single-process client (tools, tests); a site's ranks use :meth:`pull` with parts."""
+        part = self.pull(round_, full_state=full_state, timeout_s=timeout_s)
+        return PulledState(
+            part.is_full_state,
+            decode_whole(part, num_params),
+            part.next_round,
+            part.state_hash,
+            part.finished,
+            part.data,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PulledState:
+    """A whole pulled update (add it) or full state (replace with it), decoded."""
+
+    is_full_state: bool
+    values: torch.Tensor
+    next_round: int
+    state_hash: str
+    finished: bool
+    data: list[DataRange]
+
+
+def decode_whole(part: PulledPart, num_params: int) -> torch.Tensor:
+    """Decode a pull that received every chunk (``parts`` = 1) into one canonical vector."""
+    if len(part.chunks) != part.total_chunks:
+        raise CodecError(f"have {len(part.chunks)} of the stream's {part.total_chunks} chunks")
+    out = torch.empty(num_params, dtype=torch.float32)
+    decode_chunks_into(parse_pipeline(part.codec), (part.chunks[s] for s in sorted(part.chunks)), out)
+    return out
+
+
+def _facts(msg: Any) -> tuple[str, int, int, str, int]:
+    return msg.header.codec, msg.header.round, msg.total_chunks, msg.state_hash, msg.kind
 
 
 class Heartbeater:

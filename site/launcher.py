@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from geodiloco.lifecycle import StopRequest
 from geodiloco.security.tls import TlsFiles
 
 
@@ -34,23 +35,33 @@ def worker_env() -> dict[str, str]:
 
 
 def run_torchrun(module: str, nproc: int, args: list[str]) -> int:
-    """Run to completion, passing SIGINT/SIGTERM on to torchrun (which stops the ranks)."""
-    proc = subprocess.Popen(worker_command(module, nproc, args), env=worker_env())
+    """Run to completion; the first SIGTERM asks the ranks to leave (ops: geodiloco.lifecycle),
+    SIGINT and a second SIGTERM go on to torchrun (which stops the ranks)."""
+    stop = StopRequest()  # ops
+    proc = subprocess.Popen(worker_command(module, nproc, args), env={**worker_env(), **stop.env()})
 
     def forward(signum: int, _frame: object) -> None:
-        proc.send_signal(signum)
+        stop.forward(signum, proc)  # ops
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return proc.wait()
     finally:
+        stop.close()  # ops
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def run_site(coordinator: str, site: str, nproc: int, tls: TlsFiles | None, secret: Path | None) -> int:
+def run_site(
+    coordinator: str,
+    site: str,
+    nproc: int,
+    tls: TlsFiles | None,
+    secret: Path | None,
+    extra: list[str] | None = None,
+) -> int:
     """Start the site's ranks; file paths (never secrets) travel on their command line."""
-    args = ["--coordinator", coordinator, "--site", site]
+    args = ["--coordinator", coordinator, "--site", site, *(extra or [])]
     if tls is not None:
         args += ["--tls", str(tls.cert), str(tls.key), str(tls.ca)]
     if secret is not None:

@@ -1,50 +1,127 @@
-"""The site side of DiLoCo, wrapped around any model and inner training loop.
+"""The site side of DiLoCo, wrapped around any model, any parallel layout and any inner loop.
 
-Inside a site, rank 0 talks to the coordinator and the other ranks receive what it got by a
-broadcast over the site's own process group, so every rank applies the same bytes::
+Every rank of the site talks to the coordinator for its own part: it computes the pseudo-gradient
+of the elements it owns (its local shard; replicated parameters are split among the ranks that
+hold them), compresses and streams them, and pulls its share of the update's chunks. Ranks pass
+the pulled chunks (still compressed) to each other over the site's own process group and each
+decodes only what lands in its shard, so no rank ever holds the whole model::
 
     sync = OuterSync.connect("coordinator:50051", site="dc-west", tls=files, site_secret=secret)
-    sync.attach(model)                      # loads the run's global parameters
+    model = sync.attach(model)              # any DDP / FSDP2 / TP wrapping already applied
     while not sync.finished:
         ...; inner_optimizer.step()
         if sync.step(tokens=n):             # every H inner steps: outer sync
             ...                             # e.g. evaluate, then sync.report(...)
 
-Data parallel inside the site (every rank holds the whole model) for now.
+Rank 0 alone joins, heartbeats, reports and leaves; control decisions (push again, resync) are
+agreed by every rank, so the ranks of a site never disagree on the state they hold.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, TypeVar
 
 import grpc
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from geodiloco.compression import EncodedChunk, ErrorFeedback, encode_chunks, parse_pipeline
+from geodiloco.compression import EncodedChunk, ErrorFeedback, parse_pipeline
 from geodiloco.config import RunConfig
-from geodiloco.params import flatten_parameters, load_flat_parameters, state_hash
+from geodiloco.params import HASH_BLOCK, Checksum
 from geodiloco.security.tls import TlsFiles
-from geodiloco.site.client import Heartbeater, JoinInfo, OuterSyncClient, PulledState
+from geodiloco.site.client import (
+    Heartbeater,
+    JoinInfo,
+    OuterSyncClient,
+    PulledPart,
+    WireChunk,
+)
+from geodiloco.site.shards import ShardMap, subview
 
 log = logging.getLogger("geodiloco.site")
 
 MAX_EXCHANGES = 5
+CATCH_UP_ROUNDS = 2  # missed rounds caught up through kept updates (q8: ~1 byte/param each, state ~4)
+T = TypeVar("T")
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+class Outcome(IntEnum):
+    """What a rank's last call asks the site to do next; the worst of all ranks wins."""
+
+    OK = 0
+    PUSH_AGAIN = 1  # the coordinator lost the uncommitted contribution (restart)
+    RESYNC = 2  # the round closed without this site, or its lease lapsed: rejoin, full state
+    FAILED = 3
 
 
-def _broadcast_object(obj: object) -> object:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def _outcome(exc: Exception) -> Outcome:
+    if isinstance(exc, grpc.RpcError):
+        if exc.code() == grpc.StatusCode.ABORTED:
+            return Outcome.PUSH_AGAIN
+        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            return Outcome.RESYNC
+    return Outcome.FAILED
+
+
+class SiteGroup:
+    """The collectives the ranks of one site use to agree and to pass chunks (no-ops alone)."""
+
+    def __init__(self) -> None:
+        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+
+    def agree(self, outcome: Outcome) -> Outcome:
+        if not self.distributed:
+            return outcome
+        t = torch.tensor([int(outcome)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return Outcome(int(t.item()))
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def gather(self, obj: T) -> list[T]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def sum(self, value: int) -> int:
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t)
+        return int(t.item())
+
+    def share_chunk(self, chunk: EncodedChunk | None, src: int) -> EncodedChunk:
+        """The chunk rank ``src`` pulled, on every rank (compressed bytes, one chunk at a time)."""
+        if not self.distributed:
+            assert chunk is not None
+            return chunk
+        head = torch.zeros(3, dtype=torch.int64)
+        if chunk is not None:
+            head[:] = torch.tensor([chunk.start, chunk.numel, len(chunk.payload)])
+        dist.broadcast(head, src=src)
+        start, numel, size = (int(v) for v in head)
+        body = torch.empty(size, dtype=torch.uint8)
+        if chunk is not None and size:
+            body.copy_(torch.frombuffer(bytearray(chunk.payload), dtype=torch.uint8))
+        if size:
+            dist.broadcast(body, src=src)
+        return chunk if chunk is not None else EncodedChunk(start, numel, body.numpy().tobytes())
 
 
 @dataclass(slots=True)
@@ -58,10 +135,13 @@ class RoundResult:
 class OuterSync:
     """Snapshots θ_r, computes Δ every H steps, pushes it, and applies the outer update."""
 
-    def __init__(self, client: OuterSyncClient | None, info: JoinInfo, world_size: int = 1) -> None:
-        self.client = client  # only on rank 0
+    def __init__(
+        self, client: OuterSyncClient, info: JoinInfo, group: SiteGroup, data_parallel_size: int
+    ) -> None:
+        self.client = client
         self.info = info
-        self.world_size = world_size
+        self.group = group
+        self.data_parallel_size = data_parallel_size
         self.config = RunConfig.from_json(info.run_config_json)
         self.round = info.round
         self.data = info.data  # the ledger's windows for the current round
@@ -69,9 +149,11 @@ class OuterSync:
         self.steps_in_round = 0
         self.tokens_in_round = 0
         self.uplink = parse_pipeline(self.config.compression.uplink)
-        self.feedback = ErrorFeedback(info.num_params)
         self.model: nn.Module | None = None
-        self.snapshot = torch.empty(0)
+        self.shards: ShardMap | None = None
+        self.snapshot: list[torch.Tensor] = []  # θ_r, laid out like the rank's local pieces
+        self.feedback = ErrorFeedback(0)
+        self.part, self.parts = 0, 1
         self.last_result: RoundResult | None = None
         self._heartbeat: Heartbeater | None = None
 
@@ -80,20 +162,23 @@ class OuterSync:
         cls,
         target: str,
         site: str,
-        world_size: int = 1,
         *,
         tls: TlsFiles | None = None,
         site_secret: bytes | None = None,
+        data_parallel_size: int | None = None,
     ) -> OuterSync:
         """Join the run (rank 0) and share what the coordinator said with the site's ranks.
 
-        ``tls`` (mutual TLS) and ``site_secret`` (payload sealing) are what a coordinator
-        started without ``--insecure`` requires.
+        Call it on every rank. ``tls`` (mutual TLS) and ``site_secret`` (payload sealing) are what
+        a coordinator started without ``--insecure`` requires. ``data_parallel_size`` is how many
+        different batches the site trains on per step (ranks / tensor-parallel degree; default:
+        every rank), which sizes its share of the data ledger.
         """
-        client, joined = None, None
-        if _rank() == 0:
-            client = OuterSyncClient(target, site, tls=tls, site_secret=site_secret)
-            joined = client.join(world_size=world_size)
+        group = SiteGroup()
+        data_parallel = data_parallel_size or group.world
+        client = OuterSyncClient(target, site, tls=tls, site_secret=site_secret)
+        joined = client.join(world_size=data_parallel) if group.rank == 0 else None
+        if joined is not None:
             log.info(
                 "site %s joined run %s at round %d (shard %d of %d)",
                 site,
@@ -102,11 +187,13 @@ class OuterSync:
                 joined.shard_index,
                 joined.shard_count,
             )
-        info = _broadcast_object(joined)
+        info = group.broadcast(joined)
         assert isinstance(info, JoinInfo)
-        sync = cls(client, info, world_size)
-        if client is not None:
-            sync._heartbeat = Heartbeater(client, info.heartbeat_interval_s, world_size)
+        if group.rank != 0:
+            client.adopt(info.run_id, info.key_id)
+        sync = cls(client, info, group, data_parallel)
+        if group.rank == 0:
+            sync._heartbeat = Heartbeater(client, info.heartbeat_interval_s, data_parallel)
             sync._heartbeat.start()
         return sync
 
@@ -119,20 +206,43 @@ class OuterSync:
         return self.info.shard_count
 
     def attach(self, model: nn.Module) -> nn.Module:
-        """Bring ``model`` to the run's current global parameters (a full pull only if needed)."""
+        """Bring ``model`` (already wrapped for its layout) to the run's current global parameters,
+        pulling the full state only if it differs."""
         self.model = model
-        local = flatten_parameters(model)
-        if local.numel() != self.info.num_params:
-            raise ValueError(f"model has {local.numel()} parameters, the run has {self.info.num_params}")
-        need_state = bool(_broadcast_object(state_hash(local) != self.info.state_hash))
-        if need_state:
-            pulled = self._pull(full_state=True)
-            local = pulled.values
-            self.round, self.finished, self.data = pulled.next_round, pulled.finished, pulled.data
-            load_flat_parameters(model, local)
+        self.shards = ShardMap(model, self.group.rank, self.group.world)
+        if self.shards.num_params != self.info.num_params:
+            raise ValueError(
+                f"model has {self.shards.num_params} parameters, the run has {self.info.num_params}"
+            )
+        owners = self.group.gather(self.shards.owned_numel > 0)
+        self.part, self.parts = sum(owners[: self.group.rank]), sum(owners)
+        self.feedback = ErrorFeedback(self.shards.owned_numel)
+        self.snapshot = self.shards.clone_locals()
+        if self.digest() != self.info.state_hash:
+            self.reload_global_state()
             log.info("loaded global state of round %d", self.round)
-        self.snapshot = local.clone()
         return model
+
+    def reload_global_state(self) -> None:
+        """Replace the parameters and snapshot with the run's current global state."""
+        pulled = self._agreed_pull(full_state=True)
+        self._apply(pulled)
+        self.round, self.finished, self.data = pulled.next_round, pulled.finished, pulled.data
+        self.steps_in_round = self.tokens_in_round = 0
+
+    def digest(self, tensors: list[torch.Tensor] | None = None) -> str:
+        """The canonical state hash of the site's parameters (or of ``tensors`` laid out like them),
+        each rank adding the elements it owns."""
+        assert self.shards is not None
+        checksum = Checksum()
+        for owned, view in self.shards.owned_views(tensors):
+            for offset, segment in owned.segment.split_rows(HASH_BLOCK):
+                checksum.add(segment.positions(), subview(view, owned.segment, offset, segment))
+        parts = self.group.gather((checksum.low, checksum.high, checksum.count))
+        total = Checksum()
+        for low, high, count in parts:
+            total = total.merge(Checksum(low, high, count))
+        return total.hexdigest()
 
     def step(self, tokens: int) -> bool:
         """Count one inner step of ``tokens`` on this rank; every H steps run the outer sync."""
@@ -144,103 +254,200 @@ class OuterSync:
         return True
 
     def sync(self) -> RoundResult:
-        """Push this round's pseudo-gradient and apply the committed outer update."""
-        if self.model is None:
+        """Push this rank's part of the round's pseudo-gradient and apply the committed update."""
+        if self.model is None or self.shards is None:
             raise RuntimeError("call attach(model) before syncing")
-        tokens = torch.tensor([self.tokens_in_round], dtype=torch.int64)
-        if dist.is_initialized():
-            dist.all_reduce(tokens)
-        delta = self.snapshot - flatten_parameters(self.model)
+        replication = self.group.world // self.data_parallel_size
+        tokens = self.group.sum(self.tokens_in_round) // max(replication, 1)
         closed = self.round
-        exchanged = None
-        if self.client is not None:
-            to_send = self.feedback.compensate(delta)
-            chunks, decoded = encode_chunks(self.uplink, to_send, self.config.compression.chunk_elements)
-            self.feedback.record(to_send, decoded)
-            exchanged = self._exchange(closed, chunks, int(tokens.item()))
-        pulled = self._share(exchanged)
-        new = pulled.values if pulled.is_full_state else self.snapshot + pulled.values
-        load_flat_parameters(self.model, new)
-        self.snapshot = new
-        digest = state_hash(new)
-        if self.client is not None and digest != pulled.state_hash:
+        chunks = self._encode_delta()
+        pulled, applied = self._exchange(closed, chunks, tokens)
+        if not applied:
+            self._apply(pulled)
+        digest = self.digest(self.snapshot)
+        if self.group.rank == 0 and digest != pulled.state_hash:
             log.error(
                 "parameters diverged after round %d: %s != %s", closed, digest[:12], pulled.state_hash[:12]
             )
         self.round, self.finished, self.data = pulled.next_round, pulled.finished, pulled.data
         self.steps_in_round = self.tokens_in_round = 0
         # after a resync the state is that of a later round than the one this site trained
-        reached = pulled.next_round - 1
-        self.last_result = RoundResult(reached, digest, int(tokens.item()), pulled.finished)
+        self.last_result = RoundResult(pulled.next_round - 1, digest, tokens, pulled.finished)
         if self._heartbeat is not None:
             self._heartbeat.round = self.round
         return self.last_result
 
-    def _exchange(self, round_: int, chunks: list[EncodedChunk], tokens: int) -> PulledState:
-        """Rank 0: push (idempotent) and pull the round's update.
+    @torch.no_grad()
+    def _encode_delta(self) -> list[WireChunk]:
+        """Δ = θ_r − θ on the owned elements, plus the error-feedback residual, compressed."""
+        assert self.shards is not None
+        delta = self.shards.gather_owned(self.snapshot)
+        at = 0
+        for owned, view in self.shards.owned_views():
+            n = owned.segment.numel
+            delta[at : at + n].view(view.shape).sub_(view)
+            at += n
+        to_send = self.feedback.compensate(delta)
+        del delta
+        decoded = torch.empty_like(to_send)
+        chunks = []
+        for offset, segment in self.shards.wire_segments(self.config.compression.chunk_elements):
+            values = to_send[offset : offset + segment.numel]
+            payload, back = self.uplink.roundtrip(values)
+            decoded[offset : offset + segment.numel] = back
+            chunks.append(WireChunk(segment, payload))
+        self.feedback.record(to_send, decoded)
+        return chunks
+
+    def _call(self, fn: Callable[[], T]) -> tuple[T | None, Outcome]:
+        try:
+            return fn(), Outcome.OK
+        except Exception as exc:  # every rank must learn of it, or the others would wait forever
+            outcome = _outcome(exc)
+            detail = f"{exc.code().name} {exc.details()}" if isinstance(exc, grpc.RpcError) else repr(exc)
+            (log.error if outcome is Outcome.FAILED else log.warning)("rank %d: %s", self.group.rank, detail)
+            return None, outcome
+
+    def _exchange(self, round_: int, chunks: list[WireChunk], tokens: int) -> tuple[PulledPart, bool]:
+        """Push (idempotent) and pull the round's update, all ranks together.
 
         Recovers from a restarted coordinator that lost the uncommitted contribution (ABORTED:
         push again) and from a lapsed membership or a round that closed without this site
         (FAILED_PRECONDITION: rejoin and continue from the coordinator's current state).
         """
-        assert self.client is not None
         resync = False
         for _ in range(MAX_EXCHANGES):
-            try:
-                if resync:
-                    self.client.join(world_size=self.world_size)
-                    return self.client.pull(round_, self.info.num_params, full_state=True)
-                self.client.push(
-                    round_, self.uplink.spec, chunks, tokens, self.data, timeout_s=self.pull_timeout_s
+            if not resync and chunks:
+                _, outcome = self._call(
+                    lambda: self.client.push(
+                        round_,
+                        self.uplink.spec,
+                        chunks,
+                        tokens,
+                        self.data,
+                        timeout_s=self.pull_timeout_s,
+                        part=self.part,
+                        parts=self.parts,
+                    )
                 )
-                pulled = self.client.pull(round_, self.info.num_params, timeout_s=self.pull_timeout_s)
-                if pulled.finished or pulled.data:
-                    return pulled
+                outcome = self.group.agree(outcome)
+                if outcome is Outcome.FAILED:
+                    raise RuntimeError(f"round {round_}: a rank of this site could not push its part")
+                resync = outcome is Outcome.RESYNC
+            elif not resync:
+                self.group.agree(Outcome.OK)  # a rank that owns nothing still takes part
+            if resync:
+                current, _ = self._rejoin()
+                caught = self._catch_up(round_, current)
+                if caught is not None:
+                    return caught, True
+            pulled, outcome = self._call(functools.partial(self._pull, round_, resync))
+            outcome = self.group.agree(outcome)
+            if outcome is Outcome.FAILED:
+                raise RuntimeError(f"round {round_}: a rank of this site could not pull its share")
+            if outcome is Outcome.PUSH_AGAIN:
+                log.warning("round %d: the coordinator lost this contribution; pushing again", round_)
+                continue
+            if outcome is Outcome.RESYNC:
+                log.warning("round %d refused; rejoining and resyncing", round_)
+                resync = True
+                continue
+            assert pulled is not None
+            if len({repr(f) for f in self.group.gather(pulled.facts)}) != 1:
+                log.warning("round %d: ranks pulled different states (a commit in between); again", round_)
+                resync = True
+                continue
+            if not (pulled.finished or pulled.data):
                 # the round committed while this site was counted lost: no data is reserved for it
                 log.warning("round %d: no data assigned (lease lapsed); rejoining", round_)
-                info = self.client.join(world_size=self.world_size)
-                return dataclasses.replace(pulled, data=info.data)
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.ABORTED:
-                    log.warning("round %d: the coordinator lost this contribution; pushing again", round_)
-                    continue
-                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                    raise
-                log.warning("round %d refused (%s); rejoining and resyncing", round_, exc.details())
-                resync = True
+                return dataclasses.replace(pulled, data=self._rejoin()[1]), False
+            return pulled, False
         raise RuntimeError(f"round {round_}: no update after {MAX_EXCHANGES} attempts")
+
+    def _rejoin(self) -> tuple[int, list[Any]]:
+        """Rank 0 joins again; every rank learns the current round and the data it now has."""
+        info, outcome = (None, Outcome.OK)
+        if self.group.rank == 0:
+            info, outcome = self._call(lambda: self.client.join(world_size=self.data_parallel_size))
+        if self.group.agree(outcome) is not Outcome.OK:
+            raise RuntimeError("rejoining the run failed")
+        return self.group.broadcast((info.round, info.data) if info is not None else (0, []))
+
+    def _catch_up(self, round_: int, current: int) -> PulledPart | None:
+        """From θ_round_ (the snapshot) to the current round through the coordinator's kept
+        compressed updates, when only a round or two were missed: the same additions the
+        coordinator made, so the result is bit-identical, for a fraction of the state's bytes.
+        None when that is not possible (too far behind, updates no longer kept, hash differs):
+        the caller pulls the full state."""
+        if not 0 < current - round_ <= CATCH_UP_ROUNDS:
+            return None
+        pulled = None
+        for r in range(round_, current):
+            pulled = self._agreed_pull(full_state=False, round_=r)
+            self._apply(pulled)
+            if pulled.is_full_state:  # no longer kept: the coordinator sent its state instead
+                return pulled
+        assert pulled is not None
+        if self.digest(self.snapshot) != pulled.state_hash:
+            log.warning("catching up from round %d through kept updates missed the hash", round_)
+            return None
+        log.info("caught up from round %d to %d with %d kept updates", round_, current, current - round_)
+        return pulled
+
+    def _pull(self, round_: int, full_state: bool) -> PulledPart:
+        return self.client.pull(
+            round_,
+            full_state=full_state,
+            timeout_s=self.pull_timeout_s,
+            part=self.group.rank,
+            parts=self.group.world,
+        )
+
+    def _agreed_pull(self, full_state: bool, round_: int | None = None) -> PulledPart:
+        """Every rank pulls its share of the same state or update (retried if a commit came in
+        between two ranks' full-state pulls)."""
+        at = self.round if round_ is None else round_
+        for _ in range(MAX_EXCHANGES):
+            pulled, outcome = self._call(functools.partial(self._pull, at, full_state))
+            if self.group.agree(outcome) is not Outcome.OK:
+                raise RuntimeError("pulling the run's state failed")
+            assert pulled is not None
+            if len({repr(f) for f in self.group.gather(pulled.facts)}) == 1:
+                return pulled
+        raise RuntimeError("the run's state kept changing while the site pulled it")
+
+    @torch.no_grad()
+    def _apply(self, pulled: PulledPart) -> None:
+        """Decode every chunk on the ranks that hold its elements: snapshot += update (or = state),
+        then the parameters take the snapshot's values."""
+        assert self.shards is not None
+        codec = parse_pipeline(pulled.codec)
+        written = 0
+        for seq in range(pulled.total_chunks):
+            src = seq % self.group.world
+            chunk = self.group.share_chunk(pulled.chunks.get(seq) if self.group.rank == src else None, src)
+            if not self.shards.holds(chunk.start, chunk.numel):
+                continue
+            values = codec.decode(chunk.payload, chunk.numel)
+            written += self.shards.scatter_range(
+                chunk.start, values, self.snapshot, add=not pulled.is_full_state
+            )
+        if written != self.shards.local_numel:
+            raise RuntimeError(
+                f"the pulled chunks covered {written} of this rank's {self.shards.local_numel} elements"
+            )
+        for piece, values in zip(self.shards.pieces, self.snapshot, strict=True):
+            piece.local.copy_(values)
 
     @property
     def pull_timeout_s(self) -> float:
         return self.config.round_timeout_s + 300
 
-    def _pull(self, full_state: bool) -> PulledState:
-        """Rank 0 pulls; every rank receives the decoded values by broadcast."""
-        pulled = None
-        if self.client is not None:
-            pulled = self.client.pull(
-                self.round, self.info.num_params, full_state=full_state, timeout_s=self.pull_timeout_s
-            )
-        return self._share(pulled)
-
-    def _share(self, pulled: PulledState | None) -> PulledState:
-        """What rank 0 pulled, on every rank of the site (metadata and values by broadcast)."""
-        meta: PulledState | None = None
-        values = torch.empty(self.info.num_params, dtype=torch.float32)
-        if pulled is not None:
-            values = pulled.values
-            meta = dataclasses.replace(pulled, values=torch.empty(0))
-        meta = _broadcast_object(meta)  # type: ignore[assignment]
-        assert isinstance(meta, PulledState)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(values, src=0)
-        return dataclasses.replace(meta, values=values)
-
     def report(
         self, eval_loss_sum: float, eval_count: int, train_loss: float, compute_seconds: float
     ) -> None:
         """Tell the coordinator this site's hash and metrics for the round just closed (rank 0)."""
-        if self.client is None or self.last_result is None:
+        if self.group.rank != 0 or self.last_result is None:
             return
         r = self.last_result
         try:
@@ -256,17 +463,17 @@ class OuterSync:
     def close(self, reason: str = "done") -> None:
         if self._heartbeat is not None:
             self._heartbeat.stop()
-        if self.client is not None:
+        if self.group.rank == 0:
             try:
                 self.client.leave(reason)
             except grpc.RpcError as exc:  # its lease may have lapsed already: nothing to undo
                 log.warning("leave failed: %s %s", exc.code().name, exc.details())
-            self.client.close()
+        self.client.close()
 
     @property
     def bytes_sent(self) -> int:
-        return self.client.bytes_sent if self.client else 0
+        return self.client.bytes_sent
 
     @property
     def bytes_received(self) -> int:
-        return self.client.bytes_received if self.client else 0
+        return self.client.bytes_received

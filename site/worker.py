@@ -6,19 +6,35 @@ Reads top to bottom: join, build, attach, then H inner steps and one outer sync 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import json
 import logging
 import os
+import signal
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+import geodiloco.site.checkpoint as checkpoint
+from geodiloco import logs
 from geodiloco.distributed import init_distributed, shutdown_distributed
+from geodiloco.lifecycle import GracefulStop
 from geodiloco.logs import setup_logging
+from geodiloco.metrics import SiteTelemetry
 from geodiloco.security.secrets import load_secret
 from geodiloco.security.tls import TlsFiles
+from geodiloco.site.layout import (
+    PRECISIONS,
+    ParallelConfig,
+    build_mesh,
+    data_parallel_rank,
+    layout_summary,
+    parallelize,
+)
 from geodiloco.site.outer_sync import OuterSync
 from geodiloco.workload import (
     DataShards,
@@ -33,37 +49,108 @@ from geodiloco.workload import (
 )
 
 log = logging.getLogger("geodiloco.site")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def train(coordinator: str, site: str, tls: TlsFiles | None, site_secret: bytes | None) -> None:
+@dataclass(frozen=True, slots=True)
+class SiteOptions:
+    """How this site runs, beside the run's own config (which the coordinator sends)."""
+
+    layout: ParallelConfig
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0  # rounds; 0: only on SIGTERM (when checkpoint_dir is set)
+
+
+def resume(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sync: OuterSync) -> None:
+    """Load a checkpoint; continue mid-round only if the coordinator is still at that round with
+    the same θ_r and data, else keep the optimizer and residual and take the global state."""
+    global_round, global_hash, global_data = sync.round, sync.digest(sync.snapshot), sync.data
+    meta = checkpoint.load(path, model, optimizer, sync)
+    loaded = {
+        "checkpoint": path.name,
+        "state_hash": sync.digest(sync.snapshot),
+        "params_hash": sync.digest(),
+        "residual_hash": checkpoint.residual_digest(sync),
+        "ranks": sync.group.world,
+    }
+    if sync.group.rank == 0:
+        (path.parent / "resumed.json").write_text(json.dumps(loaded, indent=2))  # what was loaded
+    current = (meta.round, meta.state_hash, sync.data) == (global_round, global_hash, global_data)
+    if not current:
+        log.warning(
+            "checkpoint of round %d is behind the run (round %d); taking the global state",
+            meta.round,
+            global_round,
+        )
+        sync.reload_global_state()
+    log.info(
+        "resumed from %s (round %d, step %d, %d ranks before, %d now)",
+        path.name,
+        sync.round,
+        sync.steps_in_round,
+        meta.ranks,
+        sync.group.world,
+    )
+
+
+def train(
+    coordinator: str, site: str, tls: TlsFiles | None, site_secret: bytes | None, options: SiteOptions
+) -> None:
     rank, world = init_distributed()
-    sync = OuterSync.connect(coordinator, site, world_size=world, tls=tls, site_secret=site_secret)
+    layout = options.layout
+    stop = GracefulStop.install()  # ops: SIGTERM leaves at the next step
+    mesh = build_mesh(layout)
+    sync = OuterSync.connect(
+        coordinator, site, tls=tls, site_secret=site_secret, data_parallel_size=layout.data_parallel
+    )
     cfg = sync.config
-    model = sync.attach(build_model(cfg.model, cfg.seed))
-    ddp = DDP(model)
+    logs.bind(run=sync.info.run_id, round=lambda: sync.round)  # ops: run/round on every log line
+    telemetry = SiteTelemetry.start(  # ops: metrics and progress (rank 0)
+        site, rank, cfg.rounds * cfg.inner.steps_per_round, lambda: (sync.bytes_sent, sync.bytes_received)
+    )
+    model = build_model(cfg.model, cfg.seed)
+    trained = parallelize(model, layout, mesh)
+    sync.attach(model)
+    if rank == 0:
+        log.info("layout: %s", layout_summary(layout))
     optimizer = make_inner_optimizer(model, cfg.inner)
+    found = checkpoint.latest(options.checkpoint_dir) if options.checkpoint_dir else None
+    if found is not None and not sync.finished:
+        resume(found, model, optimizer, sync)
     corpus = load_corpus(cfg.data.paths, cfg.data.max_bytes, cfg.data.eval_fraction)
     shards = DataShards(corpus, count=cfg.data.shards, seq_len=cfg.model.seq_len, seed=cfg.seed)
-    my_eval = eval_slice(
+    dp_rank, dp = data_parallel_rank(mesh), layout.data_parallel
+    site_eval = eval_slice(
         eval_windows(corpus, cfg.data.eval_sequences, cfg.model.seq_len),
-        part=sync.shard_index * world + rank,
-        parts=sync.shard_count * world,
+        part=sync.shard_index,
+        parts=sync.shard_count,
     )
+    my_eval = eval_slice(site_eval, part=dp_rank, parts=dp)
     tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
     losses: list[float] = []
     started = time.perf_counter()
+    windows = shards.windows(sync.data)
     while not sync.finished:
+        if stop.requested():  # all ranks agree, then checkpoint (if asked to) and leave
+            if options.checkpoint_dir is not None:
+                checkpoint.save(options.checkpoint_dir, model, optimizer, sync, layout.name)
+            break
         if sync.steps_in_round == 0:
             windows = shards.windows(sync.data)  # the ledger's share of data for this round
         step = sync.round * cfg.inner.steps_per_round + sync.steps_in_round
-        x, y = rank_batch(windows, sync.steps_in_round, rank, world, cfg.data.batch_size)
-        losses.append(inner_step(ddp, optimizer, cfg.inner, step, x, y))
+        x, y = rank_batch(windows, sync.steps_in_round, dp_rank, dp, cfg.data.batch_size)
+        step_started = time.perf_counter()  # ops
+        losses.append(inner_step(trained, optimizer, cfg.inner, step, x, y))
+        telemetry.step(time.perf_counter() - step_started, tokens_per_step * dp, sync.round, step + 1)  # ops
         compute_s = time.perf_counter() - started
+        sync_started = time.perf_counter()  # ops
         if not sync.step(tokens=tokens_per_step):
             continue
-        eval_sum, eval_count = evaluate(model, my_eval)
+        sync_s = time.perf_counter() - sync_started  # ops
+        eval_sum, eval_count = evaluate(trained, my_eval)
         totals = torch.tensor([eval_sum, float(eval_count), sum(losses) / len(losses)], dtype=torch.float64)
         dist.all_reduce(totals)
+        totals[:2] /= layout.tp  # tensor-parallel ranks evaluated the same slice
         sync.report(float(totals[0]), int(totals[1]), float(totals[2]) / world, compute_s)
         if rank == 0:
             log.info(
@@ -72,11 +159,31 @@ def train(coordinator: str, site: str, tls: TlsFiles | None, site_secret: bytes 
                 float(totals[2]) / world,
                 float(totals[0] / totals[1]),
             )
+        telemetry.round(  # ops
+            train_loss=float(totals[2]) / world,
+            eval_loss=float(totals[0] / totals[1]),
+            sync_seconds=sync_s,
+        )
         losses.clear()
+        every = options.checkpoint_every
+        if options.checkpoint_dir is not None and every and sync.round % every == 0 and not sync.finished:
+            checkpoint.save(options.checkpoint_dir, model, optimizer, sync, layout.name)
         started = time.perf_counter()
-    sync.close("finished")
-    del ddp
+    sync.close(stop.reason)  # ops: "finished" or "stopped by SIGTERM"
+    telemetry.close()  # ops
+    del trained
     shutdown_distributed()
+
+
+def die_with_parent() -> None:
+    """torchrun starts ranks in their own sessions: if it is killed outright (SIGKILL, OOM),
+    make the kernel kill its ranks too rather than leave them training as orphans."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,12 +192,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--site", required=True)
     parser.add_argument("--tls", nargs=3, type=Path, metavar=("CERT", "KEY", "CA"))
     parser.add_argument("--secret", type=Path)
+    parser.add_argument("--layout", default="ddp", help="ddp, fsdp, hsdp, tp, fsdp+tp or dp_replicate=R,...")
+    parser.add_argument("--mixed-precision", default="fp32", choices=PRECISIONS)
+    parser.add_argument("--checkpoint-dir", type=Path)
+    parser.add_argument("--checkpoint-every", type=int, default=0)
     args = parser.parse_args(argv)
+    die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(site=args.site, rank=rank)
-    tls = TlsFiles(*args.tls) if args.tls and rank == 0 else None
-    secret = load_secret(args.secret) if args.secret and rank == 0 else None  # only rank 0 talks
-    train(args.coordinator, args.site, tls, secret)
+    layout = ParallelConfig.parse(args.layout, int(os.environ.get("WORLD_SIZE", "1")), args.mixed_precision)
+    tls = TlsFiles(*args.tls) if args.tls else None
+    secret = load_secret(args.secret) if args.secret else None  # every rank pushes its own part
+    options = SiteOptions(layout, args.checkpoint_dir, args.checkpoint_every)
+    train(args.coordinator, args.site, tls, secret, options)
 
 
 if __name__ == "__main__":

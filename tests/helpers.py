@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -134,6 +137,35 @@ def spawn_geodiloco(args: list[str], log: Path) -> subprocess.Popen[bytes]:
         )
 
 
+def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a spawned process and everything below it, as if its machine died.
+
+    A site's process group is not enough: torchrun starts each rank in a session of its own, so
+    its ranks would outlive the launcher and go on training under the site's name."""
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, parents first (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # exited meanwhile
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def start_coordinator_process(cfg: RunConfig, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     """`geodiloco coordinator serve` on a free loopback port; returns the process and its target."""
     (workdir / "run.json").write_text(cfg.to_json())
@@ -195,6 +227,8 @@ def serve_args(config: Path, port: int, run_dir: Path) -> list[str]:
 
 
 def round_log(run_dir: Path) -> list[dict[str, Any]]:
-    """The coordinator's committed rounds, as written to its run directory so far."""
+    """The coordinator's committed rounds, as written to its run directory so far (a line still
+    being written, without its newline, is left out)."""
     path = run_dir / "rounds.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    complete = path.read_text().split("\n")[:-1] if path.exists() else []
+    return [json.loads(line) for line in complete]

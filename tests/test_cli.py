@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import start_coordinator_process, tiny_config
+from helpers import CoordinatorThread, start_coordinator_process, tiny_config
 
 SUBCOMMANDS = [
     [],
@@ -16,6 +17,8 @@ SUBCOMMANDS = [
     ["site"],
     ["site", "run"],
     ["status"],
+    ["report"],
+    ["health"],
     ["demo"],
     ["baseline"],
 ]
@@ -71,3 +74,45 @@ def test_second_coordinator_on_a_busy_port_is_refused(tmp_path: Path) -> None:
         assert "site-a" in table.stdout and "waiting_for_sites" in table.stdout
     finally:
         first.kill()
+
+
+def test_report_on_a_folder_that_is_no_run_is_a_clear_message(tmp_path: Path) -> None:
+    result = geodiloco("report", str(tmp_path))
+    assert result.returncode == 2
+    assert f"geodiloco report: {tmp_path}: no rounds.jsonl here or in {tmp_path}/coordinator" in result.stderr
+    (tmp_path / "rounds.jsonl").write_text('{"round": 0, "contributors": []}\nnot json\n')
+    result = geodiloco("report", str(tmp_path))
+    assert result.returncode == 2 and f"{tmp_path}/rounds.jsonl:2: not JSON" in result.stderr
+
+
+def test_bad_ports_and_log_formats_name_the_flag() -> None:
+    result = geodiloco("coordinator", "serve", "--insecure", "--metrics-port", "70000")
+    assert result.returncode == 2
+    assert "argument --metrics-port: expected a TCP port (0-65535), got 70000" in result.stderr
+    result = geodiloco("status", "--log-format", "yaml")
+    assert result.returncode == 2 and "argument --log-format: invalid choice: 'yaml'" in result.stderr
+
+
+@pytest.mark.integration
+def test_metrics_port_in_use_is_refused_before_serving(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = geodiloco("coordinator", "serve", "--insecure", "--port", "0", "--metrics-port", str(port))
+        site = geodiloco("site", "run", "--name", "x", "--insecure", "--metrics-port", str(port))
+    assert result.returncode == 2
+    assert f"metrics: cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert site.returncode == 2
+    assert f"geodiloco site: --metrics-port: cannot listen on 127.0.0.1:{port}" in site.stderr
+
+
+@pytest.mark.integration
+def test_health_says_serving_or_why_not() -> None:
+    with CoordinatorThread(tiny_config()) as coordinator:
+        serving = geodiloco("health", "--target", coordinator.target)
+        unknown = geodiloco("health", "--target", coordinator.target, "--service", "no.Such")
+    assert serving.returncode == 0 and serving.stderr == ""
+    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+    down = geodiloco("health", "--target", "127.0.0.1:1")
+    assert down.returncode == 1 and "geodiloco health: 127.0.0.1:1: UNAVAILABLE" in down.stderr

@@ -37,7 +37,7 @@ def test_bandwidth_is_limited(coordinator: CoordinatorThread) -> None:
         client = OuterSyncClient(proxy.address, "site-a")
         client.join()
         started = time.monotonic()
-        state = client.pull(0, coordinator.controller.num_params, full_state=True)
+        state = client.pull_tensor(0, coordinator.controller.num_params, full_state=True)
         elapsed = time.monotonic() - started
     assert state.values.numel() == coordinator.controller.num_params
     assert client.bytes_received > 20_000

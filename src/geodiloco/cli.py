@@ -1,4 +1,4 @@
-"""The `geodiloco` command: coordinator serve, site run, status, certs, demo, baseline."""
+"""The `geodiloco` command: coordinator serve, site run, status, report, certs, demo, baseline."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from geodiloco import __version__
-from geodiloco.logs import setup_logging
+from geodiloco.logs import FORMAT_ENV, FORMATS, setup_logging
 
 if TYPE_CHECKING:
     from geodiloco.security.tls import TlsFiles
@@ -89,22 +90,53 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port (0-65535), got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port (0-65535), got {value}")
+    return value
+
+
+def _log_format_arg(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default=default,
+        help=f"text for people (default) or JSON lines; also ${FORMAT_ENV}",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="geodiloco",
         description="Train one model across datacenters with DiLoCo over gRPC.",
     )
     parser.add_argument("--version", action="version", version=f"geodiloco {__version__}")
+    _log_format_arg(parser, None)
+    # the same flag after the subcommand (`geodiloco site run ... --log-format json`)
+    common = argparse.ArgumentParser(add_help=False)
+    _log_format_arg(common, argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
     coord = sub.add_parser("coordinator", help="the outer-loop coordinator")
     coord_sub = coord.add_subparsers(dest="action", required=True)
-    serve = coord_sub.add_parser("serve", help="serve a run to its sites")
+    serve = coord_sub.add_parser("serve", parents=[common], help="serve a run to its sites")
     _add_config_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=50051, help="port (0 picks a free one)")
     serve.add_argument("--run-dir", type=Path, help="where the round log is written")
     serve.add_argument("--port-file", type=Path, help="write the bound port here once serving")
+    serve.add_argument(
+        "--metrics-port", type=_port, help="serve Prometheus /metrics on --host at this port (0: any free)"
+    )
+    serve.add_argument(
+        "--health-port",
+        type=_port,
+        help="also serve grpc.health.v1 alone, in plaintext, on --host at this port (for probes)",
+    )
     serve.add_argument(
         "--exit-when-finished",
         action="store_true",
@@ -117,23 +149,71 @@ def build_parser() -> argparse.ArgumentParser:
 
     site = sub.add_parser("site", help="the per-site daemon")
     site_sub = site.add_subparsers(dest="action", required=True)
-    run = site_sub.add_parser("run", help="train this site's share of the run")
+    run = site_sub.add_parser("run", parents=[common], help="train this site's share of the run")
     run.add_argument("--name", required=True, help="this site's name, as listed in the run's config")
     run.add_argument("--coordinator", default=DEFAULT_TARGET, help=f"host:port (default {DEFAULT_TARGET})")
     run.add_argument("--nproc", type=_positive_int, default=2, help="local ranks (default 2)")
+    run.add_argument(
+        "--layout",
+        default="ddp",
+        help="parallel layout of the ranks: ddp (default), fsdp, hsdp, tp, fsdp+tp, or "
+        "dp_replicate=R,dp_shard=S,tp=T (product = --nproc)",
+    )
+    run.add_argument(
+        "--mixed-precision", default="fp32", choices=("fp32", "bf16"), help="FSDP2 parameter dtype"
+    )
+    run.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="torch.distributed.checkpoint of the site's state; resumed on start",
+    )
+    run.add_argument(
+        "--checkpoint-every",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="checkpoint every N rounds (default: only on SIGTERM)",
+    )
     _add_tls_args(run, "site")
     run.add_argument("--secret", type=Path, help="this site's secret file (site-NAME.secret) for sealing")
+    run.add_argument(
+        "--metrics-port", type=_port, help="rank 0 serves Prometheus /metrics at this port (0: any free)"
+    )
+    run.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
 
-    status = sub.add_parser("status", help="show the run's sites, round, loss and bytes")
+    status = sub.add_parser("status", parents=[common], help="show the run's sites, round, loss and bytes")
     status.add_argument("--coordinator", default=DEFAULT_TARGET, help=f"host:port (default {DEFAULT_TARGET})")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_tls_args(status, "admin")
 
+    health = sub.add_parser(
+        "health", parents=[common], help="exit 0 if the coordinator's health service says SERVING"
+    )
+    health.add_argument(
+        "--target",
+        default="127.0.0.1:50052",
+        help="host:port of the coordinator's --health-port (plaintext), or of its gRPC port with --tls-*",
+    )
+    health.add_argument("--service", default="", help="a service name to check (default: the server)")
+    health.add_argument("--tls-cert", type=Path, help="client certificate, when checking the mTLS port")
+    health.add_argument("--tls-key", type=Path, help="client private key")
+    health.add_argument("--tls-ca", type=Path, help="the run's CA")
+
+    report = sub.add_parser(
+        "report", parents=[common], help="plots and a Markdown summary of a finished (or running) run"
+    )
+    report.add_argument(
+        "run_dir", type=Path, metavar="RUN_DIR", help="a coordinator --run-dir, or a demo's --run-dir"
+    )
+    report.add_argument("--out", type=Path, help="where to write (default RUN_DIR/report)")
+
     certs = sub.add_parser("certs", help="a development CA, certificates and run secrets")
     certs_sub = certs.add_subparsers(dest="action", required=True)
-    init = certs_sub.add_parser("init", help="make a CA and a run secret in DIR")
+    init = certs_sub.add_parser("init", parents=[common], help="make a CA and a run secret in DIR")
     init.add_argument("dir", type=Path, metavar="DIR")
-    issue = certs_sub.add_parser("issue", help="issue a certificate (and a site's secret) from DIR's CA")
+    issue = certs_sub.add_parser(
+        "issue", parents=[common], help="issue a certificate (and a site's secret) from DIR's CA"
+    )
     who = issue.add_mutually_exclusive_group(required=True)
     who.add_argument("--site", metavar="NAME", help="a site named in the run's config")
     who.add_argument("--coordinator", metavar="HOST[,HOST...]", help="the names/addresses sites dial")
@@ -141,13 +221,17 @@ def build_parser() -> argparse.ArgumentParser:
     issue.add_argument(
         "--dir", type=Path, default=Path("pki"), help="the certificates directory (default pki)"
     )
-    secret = certs_sub.add_parser("secret", help="rotate DIR's run secret and re-derive its site secrets")
+    secret = certs_sub.add_parser(
+        "secret", parents=[common], help="rotate DIR's run secret and re-derive its site secrets"
+    )
     secret.add_argument(
         "--dir", type=Path, default=Path("pki"), help="the certificates directory (default pki)"
     )
     secret.add_argument("--rotate", action="store_true", required=True, help="replace the run secret")
 
-    demo = sub.add_parser("demo", help="DiLoCo across 3 local sites, then the synchronous baseline")
+    demo = sub.add_parser(
+        "demo", parents=[common], help="DiLoCo across 3 local sites, then the synchronous baseline"
+    )
     demo.add_argument("--json", type=Path, dest="json_path", help="also write the summary as JSON here")
     demo.add_argument("--run-dir", type=Path, help="keep logs and results here (default: a temp dir)")
     demo.add_argument("--sites", type=_positive_int, default=3, help="number of sites (default 3)")
@@ -162,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a demo config value, e.g. --set rounds=8 (repeatable)",
     )
 
-    baseline = sub.add_parser("baseline", help="only the synchronous data-parallel baseline")
+    baseline = sub.add_parser(
+        "baseline", parents=[common], help="only the synchronous data-parallel baseline"
+    )
     _add_config_args(baseline)
     baseline.add_argument("--ranks-per-site", type=_positive_int, default=2)
     baseline.add_argument("--json", type=Path, dest="json_path", help="write the result JSON here")
@@ -171,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from geodiloco.config import load_config
+    from geodiloco.coordinator.durable import StateError
     from geodiloco.coordinator.server import BindError, ServeOptions, serve
 
     cfg = load_config(args.config, args.overrides)
@@ -184,19 +271,33 @@ def _serve(args: argparse.Namespace) -> int:
             tls=_tls(args, args.host),
             run_secret=args.run_secret,
             insecure=args.insecure,
+            metrics_port=args.metrics_port,
+            health_port=args.health_port,
         )
         opts.security(cfg.run_id)  # reads the secret now, so a bad file stops us before serving
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:
         asyncio.run(serve(cfg, opts))
-    except BindError as exc:
+    except (BindError, StateError) as exc:  # StateError: the run directory's state is refused
         print(f"geodiloco coordinator serve: {exc}", file=sys.stderr)
         return 2
     return 0
 
 
+def _check_bindable(flag: str, host: str, port: int) -> None:
+    """Refuse a busy port here, with the flag's name, not later in a rank's traceback."""
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def _site_run(args: argparse.Namespace) -> int:
+    from geodiloco.metrics import HOST_ENV, PORT_ENV
     from geodiloco.security.secrets import load_secret
     from geodiloco.site.launcher import run_site
 
@@ -208,7 +309,22 @@ def _site_run(args: argparse.Namespace) -> int:
             load_secret(args.secret)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-    return run_site(args.coordinator, args.name, args.nproc, tls, args.secret)
+    from geodiloco.site.layout import LayoutError, ParallelConfig
+
+    try:
+        ParallelConfig.parse(args.layout, args.nproc, args.mixed_precision)
+    except LayoutError as exc:
+        raise UsageError(f"--{exc}") from None
+    extra = ["--layout", args.layout, "--mixed-precision", args.mixed_precision]
+    if args.checkpoint_every and args.checkpoint_dir is None:
+        raise UsageError("--checkpoint-every needs --checkpoint-dir")
+    if args.checkpoint_dir is not None:
+        extra += ["--checkpoint-dir", str(args.checkpoint_dir.resolve())]
+        extra += ["--checkpoint-every", str(args.checkpoint_every or 0)]
+    if args.metrics_port is not None:  # read by rank 0 (geodiloco.metrics.SiteTelemetry)
+        _check_bindable("--metrics-port", args.metrics_host, args.metrics_port)
+        os.environ[PORT_ENV], os.environ[HOST_ENV] = str(args.metrics_port), args.metrics_host
+    return run_site(args.coordinator, args.name, args.nproc, tls, args.secret, extra)
 
 
 def _certs(args: argparse.Namespace) -> int:
@@ -255,6 +371,45 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    """For container and exec probes: no output when SERVING, a reason otherwise."""
+    import grpc
+
+    from geodiloco.security.tls import TlsFiles
+    from geodiloco.status import check_health
+
+    given = (args.tls_cert, args.tls_key, args.tls_ca)
+    if any(given) and not all(given):
+        raise UsageError(
+            "--tls-cert, --tls-key and --tls-ca go together (none for a plaintext --health-port)"
+        )
+    try:
+        tls = TlsFiles(*given) if all(given) else None
+        state = check_health(args.target, tls, args.service)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    except grpc.RpcError as exc:
+        print(f"geodiloco health: {args.target}: {exc.code().name} {exc.details()}", file=sys.stderr)
+        return 1
+    if state != "SERVING":
+        print(f"geodiloco health: {args.target}: {state}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from geodiloco.report import ReportError, write_report
+
+    try:
+        report = write_report(args.run_dir, args.out)
+    except ReportError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"report written to {report.markdown}")
+    for plot in report.plots:
+        print(f"  {plot.path}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from geodiloco.demo import DemoOptions, demo_config, run_demo
 
@@ -292,6 +447,8 @@ COMMANDS = {
     ("coordinator", "serve"): _serve,
     ("site", "run"): _site_run,
     ("status", None): _status,
+    ("report", None): _report,
+    ("health", None): _health,
     ("certs", "init"): _certs,
     ("certs", "issue"): _certs,
     ("certs", "secret"): _certs,
@@ -304,7 +461,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from geodiloco.config import ConfigError  # imports torch: only once a command will run
 
-    setup_logging(site="" if args.command == "coordinator" else args.command)
+    if args.log_format:  # torchrun's ranks and the demo's processes inherit it
+        os.environ[FORMAT_ENV] = args.log_format
+    try:
+        setup_logging(role=args.command, site=getattr(args, "name", "") or "", fmt=args.log_format)
+    except ValueError as exc:  # a bad GEODILOCO_LOG_FORMAT
+        print(f"geodiloco: {exc}", file=sys.stderr)
+        return 2
     handler = COMMANDS[(args.command, getattr(args, "action", None))]
     try:
         return handler(args)

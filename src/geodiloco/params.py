@@ -53,7 +53,64 @@ def load_flat_parameters(model: nn.Module, flat: torch.Tensor) -> None:
         raise ValueError(f"flat vector has {flat.numel()} elements, model has {offset}")
 
 
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64 constants, as signed int64
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+_LOW32 = (1 << 32) - 1
+HASH_BLOCK = 1 << 12  # elements hashed at a time: bounds the scratch memory (~24 bytes each)
+
+
+def _mix(positions: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
+    """Sums of the low and high halves of splitmix64(index, fp32 bits) over a block, computed
+    in place on ``positions`` with one scratch buffer (int64 arithmetic wraps around)."""
+    x = positions.mul_(_GOLDEN)
+    scratch = values.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    x += scratch.bitwise_and_(_LOW32)
+    for bits, factor in ((30, _MIX1), (27, _MIX2), (31, 1)):
+        torch.bitwise_right_shift(x, bits, out=scratch)
+        scratch &= (1 << (64 - bits)) - 1  # a logical shift: torch shifts signed values arithmetically
+        x ^= scratch
+        if factor != 1:
+            x *= factor
+    low = int(torch.bitwise_and(x, _LOW32, out=scratch).sum())
+    torch.bitwise_right_shift(x, 32, out=scratch)
+    high = int(scratch.bitwise_and_(_LOW32).sum())
+    return low, high
+
+
+class Checksum:
+    """A hash of the canonical parameters that any partition of them can compute in parts.
+
+    Every element contributes ``mix(index, fp32 bits)`` to two sums, so ranks holding disjoint
+    pieces of the model (in any mesh) add their parts up and get the same digest as one process
+    holding it all. It detects replicas that differ by one bit anywhere; it is a consistency
+    check, not a defence against a forger (see the threat model).
+    """
+
+    def __init__(self, low: int = 0, high: int = 0, count: int = 0) -> None:
+        self.low, self.high, self.count = low, high, count
+
+    def add(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Add the elements ``values`` found at canonical ``positions`` (int64, same length)."""
+        low, high = _mix(positions.reshape(-1), values.reshape(-1))
+        self.low, self.high, self.count = self.low + low, self.high + high, self.count + positions.numel()
+
+    def add_range(self, start: int, values: torch.Tensor) -> None:
+        """Add a contiguous run of canonical elements starting at ``start``."""
+        flat = values.detach().reshape(-1)
+        for a in range(0, flat.numel(), HASH_BLOCK):
+            part = flat[a : a + HASH_BLOCK]
+            self.add(torch.arange(start + a, start + a + part.numel(), dtype=torch.int64), part)
+
+    def merge(self, other: Checksum) -> Checksum:
+        return Checksum(self.low + other.low, self.high + other.high, self.count + other.count)
+
+    def hexdigest(self) -> str:
+        return hashlib.sha256(f"{self.low}:{self.high}:{self.count}".encode()).hexdigest()
+
+
 def state_hash(flat: torch.Tensor) -> str:
-    """SHA-256 of the fp32 bytes: equal hashes mean bit-identical replicas."""
-    data = flat.detach().to(torch.float32).contiguous().numpy().tobytes()
-    return hashlib.sha256(data).hexdigest()
+    """Digest of a whole canonical vector: equal digests mean bit-identical replicas."""
+    checksum = Checksum()
+    checksum.add_range(0, flat)
+    return checksum.hexdigest()

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from geodiloco.security.tls import TlsFiles, open_channel
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc
@@ -24,6 +25,15 @@ def request_shutdown(
         admin_pb2_grpc.AdminStub(channel).Shutdown(
             admin_pb2.ShutdownRequest(grace_s=grace_s), timeout=timeout_s
         )
+
+
+def check_health(target: str, tls: TlsFiles | None, service: str = "", timeout_s: float = 5.0) -> str:
+    """grpc.health.v1 Check: SERVING, NOT_SERVING, SERVICE_UNKNOWN... (raises grpc.RpcError)."""
+    with open_channel(target, tls) as channel:
+        response = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+        )
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
 
 
 def status_dict(message: Message) -> dict[str, Any]:

@@ -94,12 +94,16 @@ class WanProxy:
             asyncio.create_task(self._pump(client_reader, server_writer)),
             asyncio.create_task(self._pump(server_reader, client_writer)),
         ]
-        await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-        for task in pumps:
-            task.cancel()
-        for writer in (client_writer, server_writer):
-            self._connections.discard(writer)
-            writer.transport.abort()
+        try:
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            pass  # the proxy is closing; end normally (asyncio's stream callback chokes on a cancelled task)
+        finally:
+            for task in pumps:
+                task.cancel()
+            for writer in (client_writer, server_writer):
+                self._connections.discard(writer)
+                writer.transport.abort()
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Read, and hand each piece to a writer task that delivers it after the latency."""

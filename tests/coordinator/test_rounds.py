@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError, load_state
 from geodiloco.coordinator.errors import ContributionMissing, FailedPrecondition, LateContribution
+from geodiloco.coordinator.reports import REPORT_LOG
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.params import state_hash
 from helpers import tiny_config
@@ -156,3 +158,50 @@ def test_state_of_another_run_is_refused(tmp_path: Path) -> None:
     asyncio.run(_one_round(controller(tmp_path)))
     with pytest.raises(ValueError, match="belongs to run 'test-run'"):
         controller(tmp_path, run_id="other")
+
+
+async def test_reports_after_the_last_commit_survive_a_restart(tmp_path: Path) -> None:
+    c = controller(tmp_path)
+    await join_all(c)
+    await c.contribute("site-a", "", 0, 100, torch.ones(N))
+    await c.contribute("site-b", "", 0, 100, torch.ones(N))
+    await c.report("site-a", "", 0, c.hashes[1], 6.0, 3, 2.5)
+    for site in c.cfg.sites:  # round 1 commits: its snapshot holds site-a's report of round 0
+        await c.contribute(site, "", 1, 100, torch.ones(N))
+    await c.report("site-a", "", 0, c.hashes[1], 6.0, 3, 2.5)  # a retried report: no change
+    await c.report("site-b", "", 1, "not-the-hash", 4.0, 2, 2.0)  # after the last commit
+    await c.report("site-a", "", 1, c.hashes[2], 2.0, 2, 1.5)
+    restarted = controller(tmp_path)
+    assert restarted.history[0].hash_reports == {"site-a": True}
+    assert restarted.history[0].eval_count == 3  # applied once, though logged and snapshotted
+    assert restarted.history[1].hash_reports == {"site-b": False, "site-a": True}
+    assert restarted.history[1].eval_loss == pytest.approx(6.0 / 4)
+    assert not restarted.sites["site-b"].hash_ok and restarted.sites["site-b"].last_report_round == 1
+    assert restarted.sites["site-a"].eval_loss == pytest.approx(1.0)
+
+
+async def test_a_torn_last_report_line_is_skipped(tmp_path: Path) -> None:
+    c = controller(tmp_path)
+    await _one_round(c)
+    await c.report("site-a", "", 0, c.hashes[1], 1.0, 1, 1.0)
+    with open(tmp_path / REPORT_LOG, "a") as f:
+        f.write('{"round": 0, "site": "site-b", "hash_')  # the crash hit mid-append
+    restarted = controller(tmp_path)
+    assert restarted.history[0].hash_reports == {"site-a": True}
+
+
+async def test_a_torn_round_log_line_is_rewritten_on_restart(tmp_path: Path) -> None:
+    c = controller(tmp_path)
+    await _one_round(c)
+    for site in c.cfg.sites:
+        await c.contribute(site, "", 1, 100, torch.ones(N))
+    path = tmp_path / "rounds.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + lines[1][:25])  # killed while writing round 1's line
+    controller(tmp_path)
+    log = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["round"] for r in log] == [0, 1]
+    assert [(r["base_hash"], r["state_hash"]) for r in log] == [
+        (c.hashes[0], c.hashes[1]),
+        (c.hashes[1], c.hashes[2]),
+    ]

@@ -58,7 +58,7 @@ def test_wrong_shape_is_invalid_argument_and_round_completes_with_the_other_site
 
     delta = torch.randn(n) * 1e-2
     good.push(0, "q8|zstd:3", encode_chunks(parse_pipeline("q8|zstd:3"), delta, 1 << 20)[0], tokens=64)
-    pulled = good.pull(0, n)  # the round closes at its deadline with site-a alone
+    pulled = good.pull_tensor(0, n)  # the round closes at its deadline with site-a alone
     assert pulled.next_round == 1 and not pulled.is_full_state
     record = coordinator.controller.history[0]
     assert record.contributors == ["site-a"]
@@ -118,19 +118,19 @@ def test_pull_waits_for_commit_and_all_clients_get_identical_bytes(coordinator: 
     a.join(), b.join()
     codec = parse_pipeline("q8|zstd:3")
     with pytest.raises(grpc.RpcError) as err:  # waiting without a contribution could never end
-        b.pull(0, n)
+        b.pull_tensor(0, n)
     assert err.value.code() == grpc.StatusCode.ABORTED
     b.push(0, codec.spec, encode_chunks(codec, torch.randn(n) * 1e-2, 1 << 20)[0], tokens=10)
     results: dict[str, Any] = {}
-    waiter = threading.Thread(target=lambda: results.setdefault("b", b.pull(0, n)))
+    waiter = threading.Thread(target=lambda: results.setdefault("b", b.pull_tensor(0, n)))
     waiter.start()
     time.sleep(0.5)
     assert not results  # still waiting for site-a
     a.push(0, codec.spec, encode_chunks(codec, torch.randn(n) * 1e-2, 1 << 20)[0], tokens=10)
     waiter.join(10)
-    pulled_a = a.pull(0, n)
+    pulled_a = a.pull_tensor(0, n)
     assert torch.equal(pulled_a.values, results["b"].values)
-    full = a.pull(0, n, full_state=True)
+    full = a.pull_tensor(0, n, full_state=True)
     assert full.is_full_state and full.next_round == 1
     assert state_hash(full.values) == pulled_a.state_hash == coordinator.controller.hashes[1]
 

@@ -3,7 +3,6 @@ partitioned past its lease and healed, and the coordinator SIGKILLed and restart
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
@@ -15,7 +14,15 @@ import pytest
 from geodiloco.config import RunConfig
 from geodiloco.status import fetch_status, request_shutdown
 from geodiloco.wan import LinkConfig, ProxyThread
-from helpers import free_port, ledger_problems, round_log, serve_args, spawn_geodiloco, tiny_config
+from helpers import (
+    free_port,
+    kill_tree,
+    ledger_problems,
+    round_log,
+    serve_args,
+    spawn_geodiloco,
+    tiny_config,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -39,11 +46,6 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
-
-
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def run(tmp_path: Path, chaos: bool) -> tuple[list[dict], object]:
@@ -73,7 +75,7 @@ def run(tmp_path: Path, chaos: bool) -> tuple[list[dict], object]:
     try:
         if chaos:
             wait_until(lambda: len(round_log(run_dir)) >= 2, 180, "round 2")
-            kill_group(sites["site-1"])  # mid-round: training, pushing or waiting for the update
+            kill_tree(sites["site-1"])  # mid-round: training, pushing or waiting for the update
             sites["site-1"] = start_site("site-1")
             wait_until(lambda: len(round_log(run_dir)) >= 4, 180, "round 4")
             coordinator.send_signal(signal.SIGKILL)  # wherever it is: serving, committing, idle
@@ -93,7 +95,7 @@ def run(tmp_path: Path, chaos: bool) -> tuple[list[dict], object]:
     finally:
         for proc in (*sites.values(), coordinator):
             if proc.poll() is None:
-                kill_group(proc)
+                kill_tree(proc)
         for proxy in proxies.values():
             proxy.close()
 
@@ -106,6 +108,7 @@ def test_the_run_survives_site_death_partition_and_coordinator_death(tmp_path: P
     assert status.finished and status.round == ROUNDS
     assert [r["round"] for r in log] == list(range(ROUNDS))  # no round lost or applied twice
     assert len({r["state_hash"] for r in log}) == ROUNDS
+    assert [r["base_hash"] for r in log[1:]] == [r["state_hash"] for r in log[:-1]]  # a chain
     assert [h.state_hash for h in status.history] == [r["state_hash"] for r in log]
     assert "resumed run test-run" in (tmp_path / "chaos" / "coordinator.log").read_text()
     for site in status.sites:  # every site finished on the coordinator's final parameters

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from geodiloco.status import fetch_status, request_shutdown
-from helpers import free_port, ledger_problems, round_log, serve_args, spawn_geodiloco, tiny_config
+from helpers import free_port, kill_tree, ledger_problems, round_log, serve_args, spawn_geodiloco, tiny_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -49,6 +49,7 @@ def test_coordinator_killed_mid_run_resumes_from_its_last_commit(tmp_path: Path)
         log = round_log(run_dir)
         assert [r["round"] for r in log] == list(range(rounds))  # contiguous, none lost or repeated
         assert len({r["state_hash"] for r in log}) == rounds
+        assert [r["base_hash"] for r in log[1:]] == [r["state_hash"] for r in log[:-1]]  # a chain
         assert ledger_problems(log, cfg) == []
         assert "resumed run test-run at round" in (tmp_path / "coordinator-2.log").read_text()
         status = fetch_status(target, None)
@@ -61,4 +62,4 @@ def test_coordinator_killed_mid_run_resumes_from_its_last_commit(tmp_path: Path)
     finally:
         for proc in (*sites, coordinator):
             if proc.poll() is None:
-                proc.kill()
+                kill_tree(proc)

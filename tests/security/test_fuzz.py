@@ -106,12 +106,10 @@ def servicer() -> OuterSyncServicer:
 def test_push_validation_only_ever_refuses(
     servicer: OuterSyncServicer, first: Any, chunks: list[Any]
 ) -> None:
-    covered = 0
     try:
-        servicer._check_first_chunk(first)
+        servicer._begin_part(first)
         for index, chunk in enumerate([first, *chunks]):
-            servicer._check_chunk(first, chunk, index, covered)
-            covered += chunk.header.numel
+            servicer._check_chunk(first, chunk, index)
     except CoordinatorError as exc:
         assert str(exc)
     assert servicer.c.round == 0 and not servicer.c.mean.contributors
@@ -145,4 +143,4 @@ def test_live_coordinator_survives_arbitrary_push_streams(pki: Pki) -> None:
         one_stream()
         ctl = coordinator.controller
         assert state_hash(ctl.theta) == ctl.hashes[0]
-        assert a.heartbeat(0).round == 0  # still serving
+        assert a.join().round == 0  # still serving (the fuzzing may outlast a lease on a slow machine)

@@ -80,7 +80,7 @@ def test_a_site_cannot_act_as_another_site(coordinator: CoordinatorThread, pki: 
         "Heartbeat": lambda: impostor.heartbeat(0),
         "Report": lambda: impostor.report(0, "x", 0.0, 0, 0.0, 1, 0.0),
         "PushDelta": lambda: push_raw(impostor, delta_messages(impostor, 0, small_delta(n))),
-        "PullUpdate": lambda: impostor.pull(0, n, full_state=True),
+        "PullUpdate": lambda: impostor.pull_tensor(0, n, full_state=True),
         "Leave": lambda: impostor.leave("hijack"),
     }
     for rpc, call in calls.items():
@@ -131,6 +131,6 @@ def test_a_full_run_over_mtls_with_sealed_payloads(coordinator: CoordinatorThrea
     a.join(), b.join()
     for round_ in range(3):
         assert_run_continues(coordinator, [a, b], round_)
-    full = a.pull(2, coordinator.controller.num_params, full_state=True)
+    full = a.pull_tensor(2, coordinator.controller.num_params, full_state=True)
     assert full.is_full_state and full.state_hash == coordinator.controller.hashes[3]
     assert coordinator.controller.finished

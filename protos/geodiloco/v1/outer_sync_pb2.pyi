@@ -4,9 +4,11 @@ isort:skip_file
 The outer loop between sites and the coordinator.
 
 Large payloads (pseudo-gradients, outer updates, full state) travel as streams of
-self-contained chunks. Each chunk covers one element range [start, start + numel) of the
-model's canonical flat parameter vector (parameters in sorted-name order), so a chunk can be
-decoded on arrival and the layout does not depend on any site's parallel mesh.
+self-contained chunks. Each chunk covers elements of the model's canonical flat parameter
+vector (parameters in sorted-name order): a range [start, start + numel), or, for a piece of a
+column-sharded matrix, `rows` rows of numel / rows elements `stride` apart. A chunk can be
+decoded on arrival, and the layout does not depend on any site's parallel mesh: each rank of a
+sharded site pushes the elements it owns as one part of the site's contribution.
 """
 
 from collections import abc as _abc
@@ -43,6 +45,8 @@ class ChunkHeader(_message.Message):
     NUMEL_FIELD_NUMBER: _builtins.int
     NONCE_FIELD_NUMBER: _builtins.int
     KEY_ID_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    STRIDE_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     round: _builtins.int
     fragment: _builtins.int
@@ -59,6 +63,10 @@ class ChunkHeader(_message.Message):
     """96-bit random AEAD nonce; empty when the run does not seal payloads"""
     key_id: _builtins.int
     """public fingerprint of the sealing key (run, site); 0 = not sealed"""
+    rows: _builtins.int
+    """0 or 1: the range is contiguous; else numel / rows elements per row"""
+    stride: _builtins.int
+    """elements from one row's start to the next (rows > 1)"""
     def __init__(
         self,
         *,
@@ -72,10 +80,12 @@ class ChunkHeader(_message.Message):
         numel: _builtins.int = ...,
         nonce: _builtins.bytes = ...,
         key_id: _builtins.int = ...,
+        rows: _builtins.int = ...,
+        stride: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "fragment", b"fragment", "key_id", b"key_id", "nonce", b"nonce", "numel", b"numel", "round", b"round", "run_id", b"run_id", "seq", b"seq", "site", b"site", "start", b"start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "fragment", b"fragment", "key_id", b"key_id", "nonce", b"nonce", "numel", b"numel", "round", b"round", "rows", b"rows", "run_id", b"run_id", "seq", b"seq", "site", b"site", "start", b"start", "stride", b"stride"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -265,11 +275,17 @@ class DeltaChunk(_message.Message):
     TOKENS_FIELD_NUMBER: _builtins.int
     TOTAL_CHUNKS_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
     payload: _builtins.bytes
     tokens: _builtins.int
     """tokens the site trained on this round (same on every chunk)"""
     total_chunks: _builtins.int
     """chunks in this push (same on every chunk)"""
+    part: _builtins.int
+    """this stream is part `part` of the site's contribution (one per rank)"""
+    parts: _builtins.int
+    """parts in the contribution; 0 means 1 (same on every chunk)"""
     @_builtins.property
     def header(self) -> Global___ChunkHeader: ...
     @_builtins.property
@@ -284,10 +300,12 @@ class DeltaChunk(_message.Message):
         tokens: _builtins.int = ...,
         total_chunks: _builtins.int = ...,
         data: _abc.Iterable[Global___DataRange] | None = ...,
+        part: _builtins.int = ...,
+        parts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "payload", b"payload", "tokens", b"tokens", "total_chunks", b"total_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "part", b"part", "parts", b"parts", "payload", b"payload", "tokens", b"tokens", "total_chunks", b"total_chunks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -349,10 +367,16 @@ class PullRequest(_message.Message):
     SITE_FIELD_NUMBER: _builtins.int
     ROUND_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     site: _builtins.str
     round: _builtins.int
     kind: Global___PullRequest.Kind.ValueType
+    part: _builtins.int
+    """send only the chunks with seq % parts == part (one puller per rank)"""
+    parts: _builtins.int
+    """0 means 1: every chunk"""
     def __init__(
         self,
         *,
@@ -360,10 +384,12 @@ class PullRequest(_message.Message):
         site: _builtins.str = ...,
         round: _builtins.int = ...,
         kind: Global___PullRequest.Kind.ValueType = ...,
+        part: _builtins.int = ...,
+        parts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "round", b"round", "run_id", b"run_id", "site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "part", b"part", "parts", b"parts", "round", b"round", "run_id", b"run_id", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -394,7 +420,7 @@ class UpdateChunk(_message.Message):
     def header(self) -> Global___ChunkHeader: ...
     @_builtins.property
     def data(self) -> _containers.RepeatedCompositeFieldContainer[Global___DataRange]:
-        """the receiver's data for `next_round` (last chunk)"""
+        """the receiver's data for `next_round` (last chunk of each part)"""
 
     def __init__(
         self,

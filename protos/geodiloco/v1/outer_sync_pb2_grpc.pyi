@@ -4,9 +4,11 @@ isort:skip_file
 The outer loop between sites and the coordinator.
 
 Large payloads (pseudo-gradients, outer updates, full state) travel as streams of
-self-contained chunks. Each chunk covers one element range [start, start + numel) of the
-model's canonical flat parameter vector (parameters in sorted-name order), so a chunk can be
-decoded on arrival and the layout does not depend on any site's parallel mesh.
+self-contained chunks. Each chunk covers elements of the model's canonical flat parameter
+vector (parameters in sorted-name order): a range [start, start + numel), or, for a piece of a
+column-sharded matrix, `rows` rows of numel / rows elements `stride` apart. A chunk can be
+decoded on arrival, and the layout does not depend on any site's parallel mesh: each rank of a
+sharded site pushes the elements it owns as one part of the site's contribution.
 """
 
 from collections import abc as _abc

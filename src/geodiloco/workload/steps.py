@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from geodiloco.config import InnerConfig
@@ -35,9 +37,30 @@ def inner_step(
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if cfg.grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        clip_grad_norm(model.parameters(), cfg.grad_clip)
     optimizer.step()
     return float(loss.detach())
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
+    """Scale gradients to a total norm of at most ``max_norm``; returns the norm before.
+
+    Unlike ``torch.nn.utils.clip_grad_norm_`` it accepts a mix of sharded (DTensor) and plain
+    gradients, as a tensor-parallel model with replicated layers has."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    squares = []
+    for g in grads:
+        norm = torch.linalg.vector_norm(g, dtype=torch.float32)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = float(torch.stack(squares).sum().sqrt())
+    scale = max_norm / (total + 1e-6)
+    if scale < 1.0:
+        for g in grads:
+            g.mul_(scale)
+    return total
 
 
 @torch.no_grad()

@@ -1,0 +1,164 @@
+"""Site checkpoints with ``torch.distributed.checkpoint``: every rank writes its own shards.
+
+A checkpoint holds the model, the inner optimizer, the snapshot θ_r the round started from and
+the error-feedback residual, all in the model's own layout (DTensors stay sharded), plus a
+small ``site.json`` with the round, the data the round trains on and the steps already taken.
+DCP reshards on load, so a site may come back with another number of ranks or another layout.
+
+The residual lives on the rank that owns each element; it is saved shaped like the parameters
+(replicas add their disjoint parts together), so any new owner finds its part.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, Replicate
+
+from geodiloco.params import canonical_parameters
+from geodiloco.site.outer_sync import OuterSync
+from geodiloco.site.shards import ShardMap, local_tensor
+from geodiloco.workload.data import DataRange
+
+log = logging.getLogger("geodiloco.site")
+
+META = "site.json"
+KEEP = 2
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointMeta:
+    round: int
+    steps_in_round: int
+    tokens_in_round: int
+    data: list[list[int]]  # [shard, start, end, epoch] of the round's data
+    state_hash: str  # canonical hash of θ_r (the snapshot)
+    params_hash: str  # canonical hash of the model as saved
+    residual_hash: str  # canonical hash of the error-feedback residual
+    ranks: int
+    layout: str
+
+
+def _like_params(model: nn.Module, locals_: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors laid out like the parameters, from local pieces (DTensors where they are)."""
+    out = {}
+    for (name, p), local in zip(canonical_parameters(model), locals_, strict=True):
+        value = local.reshape(local_tensor(p).shape)
+        if isinstance(p, DTensor):
+            value = DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        out[name] = value
+    return out
+
+
+def _residual_like_params(sync: OuterSync) -> list[torch.Tensor]:
+    """The residual spread over local pieces, replicas' disjoint parts added together."""
+    assert sync.shards is not None and sync.model is not None
+    pieces = [torch.zeros_like(p.local, dtype=torch.float32) for p in sync.shards.pieces]
+    at = 0
+    for owned, view in sync.shards.owned_views(pieces):
+        n = owned.segment.numel
+        view.copy_(sync.feedback.residual[at : at + n].view(view.shape))
+        at += n
+    for (_, p), piece in zip(canonical_parameters(sync.model), pieces, strict=True):
+        if not isinstance(p, DTensor):
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(piece)
+            continue
+        for dim, placement in enumerate(p.placements):
+            if isinstance(placement, Replicate) and p.device_mesh.size(dim) > 1:
+                dist.all_reduce(piece, group=p.device_mesh.get_group(dim))
+    return pieces
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, sync: OuterSync) -> dict[str, Any]:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {
+        "model": model_state,
+        "optim": optim_state,
+        "snapshot": _like_params(model, sync.snapshot),
+        "residual": _like_params(model, _residual_like_params(sync)),
+    }
+
+
+def save(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sync: OuterSync, layout: str
+) -> Path:
+    """Write a checkpoint of the site's state now (all ranks call it); keeps the last two."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = directory / f"round-{sync.round:06d}-step-{sync.steps_in_round:04d}"
+    state = _state(model, optimizer, sync)
+    dcp.save(state, checkpoint_id=str(path))
+    meta = CheckpointMeta(
+        round=sync.round,
+        steps_in_round=sync.steps_in_round,
+        tokens_in_round=sync.tokens_in_round,
+        data=[[d.shard, d.start, d.end, d.epoch] for d in sync.data],
+        state_hash=sync.digest(sync.snapshot),
+        params_hash=sync.digest(),
+        residual_hash=residual_digest(sync),
+        ranks=dist.get_world_size() if dist.is_initialized() else 1,
+        layout=layout,
+    )
+    if rank == 0:
+        tmp = path / (META + ".tmp")
+        tmp.write_text(json.dumps(asdict(meta), indent=2))
+        tmp.rename(path / META)  # a checkpoint without site.json is incomplete and never loaded
+        for old in sorted(p for p in directory.glob("round-*") if (p / META).exists())[:-KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint of round %d step %d written to %s", sync.round, sync.steps_in_round, path)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def latest(directory: Path) -> Path | None:
+    done = sorted(p for p in directory.glob("round-*") if (p / META).exists())
+    return done[-1] if done else None
+
+
+def read_meta(path: Path) -> CheckpointMeta:
+    return CheckpointMeta(**json.loads((path / META).read_text()))
+
+
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sync: OuterSync) -> CheckpointMeta:
+    """Restore a checkpoint into an attached ``sync`` with this site's (possibly new) layout."""
+    assert sync.shards is not None
+    state = _state(model, optimizer, sync)
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    shards = ShardMap(model, sync.group.rank, sync.group.world)
+    sync.snapshot = [
+        local_tensor(t).detach().to(torch.float32).reshape(p.local.shape).clone()
+        for t, p in zip(state["snapshot"].values(), shards.pieces, strict=True)
+    ]
+    residual = [
+        local_tensor(t).detach().to(torch.float32).reshape(p.local.shape)
+        for t, p in zip(state["residual"].values(), shards.pieces, strict=True)
+    ]
+    sync.feedback.residual.copy_(shards.gather_owned(residual))
+    meta = read_meta(path)
+    sync.steps_in_round, sync.tokens_in_round = meta.steps_in_round, meta.tokens_in_round
+    sync.data = [DataRange(*d) for d in meta.data]
+    return meta
+
+
+def residual_digest(sync: OuterSync) -> str:
+    """Canonical hash of the error-feedback residual, whatever the layout."""
+    assert sync.shards is not None
+    pieces = [torch.zeros_like(p.local, dtype=torch.float32) for p in sync.shards.pieces]
+    at = 0
+    for owned, view in sync.shards.owned_views(pieces):
+        n = owned.segment.numel
+        view.copy_(sync.feedback.residual[at : at + n].view(view.shape))
+        at += n
+    return sync.digest(pieces)

@@ -1,0 +1,153 @@
+"""A site's parallel layout: which ranks replicate, shard (FSDP2) or split tensors (TP).
+
+Each site chooses its own layout (``geodiloco site run --layout fsdp``); the wire never sees
+it. Parallelism is applied with plain functions on an ordinary ``nn.Module``, in the order
+torchtitan uses: tensor parallel first, then FSDP2 over the data-parallel dims (HSDP when some
+of them replicate), or DDP when every rank holds the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+
+PRESETS = ("ddp", "fsdp", "hsdp", "tp", "fsdp+tp")
+PRECISIONS = ("fp32", "bf16")
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+class LayoutError(ValueError):
+    """A layout that does not fit the site's ranks or that this version cannot build."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """dp_replicate x dp_shard x tp = the site's ranks; ``mixed_precision`` applies to FSDP2."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    mixed_precision: str = "fp32"
+
+    @classmethod
+    def parse(cls, text: str, world: int, mixed_precision: str = "fp32") -> ParallelConfig:
+        """``ddp``, ``fsdp``, ``tp``, ``hsdp`` (2 replicas of FSDP), ``fsdp+tp`` (TP of 2), or
+        ``dp_replicate=R,dp_shard=S,tp=T``."""
+        presets = {
+            "ddp": {"dp_replicate": world},
+            "fsdp": {"dp_shard": world},
+            "tp": {"tp": world},
+            "hsdp": {"dp_replicate": 2, "dp_shard": world // 2},
+            "fsdp+tp": {"dp_shard": world // 2, "tp": 2},
+        }
+        if text in presets:
+            sizes = presets[text]
+        else:
+            sizes = {}
+            for item in filter(None, (p.strip() for p in text.split(","))):
+                key, eq, value = item.partition("=")
+                if not eq or key.strip() not in MESH_DIMS or not value.strip().isdigit():
+                    raise LayoutError(
+                        f"layout: {item!r} is not one of {', '.join(PRESETS)} or "
+                        f"{'|'.join(MESH_DIMS)}=N[,...]"
+                    )
+                sizes[key.strip()] = int(value)
+        config = cls(**sizes, mixed_precision=mixed_precision)
+        config.check(world)
+        return config
+
+    def check(self, world: int) -> None:
+        sizes = (self.dp_replicate, self.dp_shard, self.tp)
+        if min(sizes) < 1 or math.prod(sizes) != world:
+            raise LayoutError(
+                f"layout: dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp} "
+                f"must equal the site's {world} ranks"
+            )
+        if self.tp > 1 and self.dp_replicate > 1 and self.dp_shard == 1:
+            raise LayoutError("layout: replicating a tensor-parallel model needs dp_shard > 1 (HSDP + TP)")
+        if self.mixed_precision not in PRECISIONS:
+            raise LayoutError(
+                f"mixed-precision: {self.mixed_precision!r} is not one of {', '.join(PRECISIONS)}"
+            )
+        if self.mixed_precision != "fp32" and self.dp_shard == 1:
+            raise LayoutError("mixed-precision: bf16 is applied by FSDP2; use a layout with dp_shard > 1")
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that train on different batches (tensor-parallel ranks share theirs)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def name(self) -> str:
+        if self.tp > 1:
+            return "tp" if self.data_parallel == 1 else "fsdp+tp"
+        if self.dp_shard > 1:
+            return "hsdp" if self.dp_replicate > 1 else "fsdp"
+        return "ddp"
+
+
+def build_mesh(config: ParallelConfig) -> DeviceMesh:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sizes = (config.dp_replicate, config.dp_shard, config.tp)
+    return init_device_mesh(device, sizes, mesh_dim_names=MESH_DIMS)
+
+
+def data_parallel_rank(mesh: DeviceMesh) -> int:
+    """This rank's index among the ranks that train on different batches."""
+    coord = mesh.get_coordinate()
+    assert coord is not None
+    return coord[0] * mesh.size(1) + coord[1]
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Split every block's MLP: the up projection by columns, the down projection by rows.
+
+    Attention stays replicated across the tensor-parallel ranks: its fused qkv projection cannot
+    be split by columns without splitting heads apart (a model with separate q/k/v could)."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        raise LayoutError("tensor parallel: the model has no `blocks` with fc/out MLPs to split")
+    for block in blocks:
+        parallelize_module(block, mesh, {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str) -> None:
+    """FSDP2 per block, then the root (its own parameters: embeddings, final norm)."""
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if mixed_precision == "bf16" else None, reduce_dtype=torch.float32
+    )
+    for block in getattr(model, "blocks", []):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def parallelize(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
+    """Apply the layout; returns the module to call in training (a DDP wrapper for ``ddp``).
+
+    Parameters keep their canonical names: FSDP2 and TP change them in place, DDP adds only a
+    ``module.`` prefix that :func:`geodiloco.params.canonical_name` strips."""
+    if config.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    if config.dp_shard > 1:
+        dims = ("dp_replicate", "dp_shard") if config.dp_replicate > 1 else ("dp_shard",)
+        apply_fsdp(model, mesh[dims], config.mixed_precision)
+        return model
+    if config.dp_replicate > 1:
+        return DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group())
+    return model
+
+
+def layout_summary(config: ParallelConfig) -> str:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return (
+        f"{config.name} over {world} ranks (dp_replicate={config.dp_replicate}, "
+        f"dp_shard={config.dp_shard}, tp={config.tp}, {config.mixed_precision})"
+    )

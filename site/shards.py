@@ -1,0 +1,259 @@
+"""Where each rank's local parameter shards lie in the canonical flat vector, and who sends what.
+
+The wire speaks one layout for every site: parameters in canonical-name order, flattened, each
+element at a fixed index (:mod:`geodiloco.params`). A rank of an FSDP2 or tensor-parallel site
+holds pieces of that vector; a rank of a DDP site holds all of it. This module maps a rank's
+local tensors to :class:`Segment` s of the canonical vector (strided boxes, because a
+column-sharded matrix is not contiguous), and splits every piece that several ranks hold
+(replicated parameters) among those ranks, so that each element is *owned* by exactly one rank
+of the site. A rank pushes only what it owns, and nothing ever gathers the full model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from geodiloco.params import canonical_parameters
+from geodiloco.segment import Segment
+
+
+@dataclass(slots=True)
+class Piece:
+    """One parameter's local tensor on this rank, as a ``rows x cols`` view, and its place."""
+
+    name: str
+    local: torch.Tensor  # 2-D view sharing storage with the parameter
+    segment: Segment
+
+
+@dataclass(frozen=True, slots=True)
+class Owned:
+    """A part of a piece this rank sends: rows ``[r0, r1)`` and columns ``[c0, c1)`` of it."""
+
+    piece: int
+    rows: slice
+    cols: slice
+    segment: Segment
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, shape[0]
+    return shape[0], math.prod(shape[1:])
+
+
+def _placement_box(p: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    for placement in p.placements:
+        if (isinstance(placement, Shard) and placement.dim >= 2) or not isinstance(
+            placement, Shard | Replicate
+        ):
+            raise ValueError(f"placement {placement} is not supported: shard on dim 0 or 1, or replicate")
+    return tuple(shape), tuple(offset)
+
+
+def _replicas(p: torch.Tensor, rank: int, world: int) -> tuple[tuple[int, ...], int, int]:
+    """Which ranks hold the same local piece of ``p`` (a key naming the mesh dims), this rank's
+    index among them and their count."""
+    if not isinstance(p, DTensor):
+        return (-1,), rank, world  # a plain tensor: every rank of the site holds all of it
+    mesh = p.device_mesh
+    coord = mesh.get_coordinate()
+    assert coord is not None
+    dims, index, count = [], 0, 1
+    for dim, placement in enumerate(p.placements):
+        if isinstance(placement, Replicate):
+            dims.append(dim)
+            index, count = index * mesh.size(dim) + coord[dim], count * mesh.size(dim)
+    return tuple(dims), index, count
+
+
+def _piece(name: str, p: torch.Tensor, offset: int) -> Piece:
+    _, global_cols = _as_2d(tuple(p.shape))
+    local = local_tensor(p).detach()
+    if isinstance(p, DTensor):
+        shape, box = _placement_box(p)
+    else:
+        shape, box = tuple(p.shape), (0,) * p.dim()
+    if len(shape) <= 1:
+        rows, cols, r0, c0 = 1, (shape[0] if shape else 1), 0, (box[0] if box else 0)
+    else:
+        rows, r0 = shape[0], box[0]
+        cols = shape[1] if len(shape) == 2 else math.prod(shape[1:])
+        c0 = box[1] if len(shape) == 2 else 0
+        if len(shape) > 2 and tuple(shape[1:]) != tuple(p.shape[1:]):
+            raise ValueError(f"{name}: a parameter with more than 2 dims may only be sharded on dim 0")
+    segment = Segment(offset + r0 * global_cols + c0, rows, cols, global_cols)
+    if segment.contiguous:  # one row: a contiguous range of the canonical vector
+        return Piece(name, local.view(1, local.numel()), segment.flat())
+    return Piece(name, local.view(rows, cols), segment)
+
+
+def _share(members: list[tuple[int, Piece]], index: int, count: int) -> Iterator[Owned]:
+    """Replica ``index`` of ``count``'s share of pieces they all hold: an even split of their
+    elements in canonical order (a multi-row piece goes by whole rows, to whoever owns a row's
+    first element), so the shares are disjoint and cover everything."""
+    total = sum(piece.segment.numel for _, piece in members)
+    lo, hi = total * index // count, total * (index + 1) // count
+    at = 0
+    for i, piece in members:
+        seg = piece.segment
+        a, b = max(lo - at, 0), min(hi - at, seg.numel)
+        at += seg.numel
+        if a >= b:
+            continue
+        if seg.rows == 1:
+            yield Owned(i, slice(0, 1), slice(a, b), Segment(seg.start + a, 1, b - a, b - a))
+            continue
+        r0, r1 = -(-a // seg.row_len), -(-b // seg.row_len)
+        if r0 < r1:
+            place = Segment(seg.start + r0 * seg.stride, r1 - r0, seg.row_len, seg.stride)
+            yield Owned(i, slice(r0, r1), slice(0, seg.row_len), place)
+
+
+class ShardMap:
+    """This rank's pieces of the canonical vector and the part of them it owns."""
+
+    def __init__(self, model: nn.Module, rank: int | None = None, world: int | None = None) -> None:
+        rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
+        world = world if world is not None else (dist.get_world_size() if dist.is_initialized() else 1)
+        self.pieces: list[Piece] = []
+        groups: dict[tuple[int, ...], list[tuple[int, Piece]]] = {}
+        share_of: dict[tuple[int, ...], tuple[int, int]] = {}
+        offset = 0
+        for i, (name, p) in enumerate(canonical_parameters(model)):
+            piece = _piece(name, p, offset)
+            offset += p.numel()
+            self.pieces.append(piece)
+            key, index, count = _replicas(p, rank, world)
+            groups.setdefault(key, []).append((i, piece))
+            share_of[key] = (index, count)
+        owned = [o for key, members in groups.items() for o in _share(members, *share_of[key])]
+        self.owned: list[Owned] = sorted(owned, key=lambda o: o.segment.start)
+        self.num_params = offset
+
+    @property
+    def owned_numel(self) -> int:
+        return sum(o.segment.numel for o in self.owned)
+
+    @property
+    def local_numel(self) -> int:
+        return sum(p.segment.numel for p in self.pieces)
+
+    def owned_views(self, tensors: list[torch.Tensor] | None = None) -> Iterator[tuple[Owned, torch.Tensor]]:
+        """Each owned part as a 2-D view of the parameters (or of ``tensors``, laid out like them)."""
+        for o in self.owned:
+            base = self.pieces[o.piece].local if tensors is None else tensors[o.piece]
+            yield o, base[o.rows, o.cols]
+
+    def gather_owned(self, tensors: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The owned elements, concatenated in canonical order (fp32)."""
+        out = torch.empty(self.owned_numel, dtype=torch.float32)
+        at = 0
+        for o, view in self.owned_views(tensors):
+            n = o.segment.numel
+            out[at : at + n].view(view.shape).copy_(view)
+            at += n
+        return out
+
+    def wire_segments(self, max_numel: int) -> Iterator[tuple[int, Segment]]:
+        """The owned elements as chunks of at most ``max_numel``: (offset in the owned vector,
+        place). Owned parts that are adjacent in the canonical vector travel together."""
+        at = 0
+        for merged in _merge_adjacent([o.segment for o in self.owned]):
+            for offset, seg in merged.split_rows(max_numel):
+                yield at + offset, seg
+            at += merged.numel
+
+    def clone_locals(self) -> list[torch.Tensor]:
+        """A copy of every local piece (e.g. the snapshot θ_r), in fp32."""
+        return [p.local.detach().to(torch.float32).clone() for p in self.pieces]
+
+    def holds(self, start: int, numel: int) -> bool:
+        """Whether any of the canonical elements ``[start, start + numel)`` lie in this rank's pieces."""
+        return any(
+            p.segment.numel and p.segment.start < start + numel and p.segment.end > start for p in self.pieces
+        )
+
+    def scatter_range(
+        self, start: int, values: torch.Tensor, targets: list[torch.Tensor], add: bool = False
+    ) -> int:
+        """Write (or ``add``) the canonical elements ``[start, start + len(values))`` into ``targets``
+        (laid out like the pieces) wherever this rank holds them; returns how many it wrote."""
+        end = start + values.numel()
+        written = 0
+        for i, piece in enumerate(self.pieces):
+            seg = piece.segment
+            if seg.numel == 0 or seg.end <= start or seg.start >= end:
+                continue
+            for (r0, r1), (c0, c1), (v0, v_stride) in _overlaps(seg, start, end):
+                block = values.as_strided((r1 - r0, c1 - c0), (v_stride, 1), values.storage_offset() + v0)
+                target = targets[i][r0:r1, c0:c1]
+                target.add_(block) if add else target.copy_(block)
+                written += (r1 - r0) * (c1 - c0)
+        return written
+
+
+def _overlaps(
+    seg: Segment, start: int, end: int
+) -> Iterator[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]:
+    """Blocks of ``seg`` inside ``[start, end)``: (rows, cols, (offset in the range, row stride))."""
+    if seg.rows == 1:
+        a, b = max(start, seg.start), min(end, seg.start + seg.row_len)
+        if a < b:
+            yield (0, 1), (a - seg.start, b - seg.start), (a - start, b - a)
+        return
+    # strided rows: full rows inside the range in one block, edge rows clipped
+    r_lo = max(0, (start - seg.start - seg.row_len) // seg.stride + 1)
+    r_hi = min(seg.rows, (end - seg.start) // seg.stride + 1)
+    full: list[int] = []
+    for r in range(r_lo, r_hi):
+        row_start = seg.start + r * seg.stride
+        a, b = max(start, row_start), min(end, row_start + seg.row_len)
+        if a >= b:
+            continue
+        if a == row_start and b == row_start + seg.row_len:
+            full.append(r)
+            continue
+        yield (r, r + 1), (a - row_start, b - row_start), (a - start, b - a)
+    if full:
+        r0, r1 = full[0], full[-1] + 1
+        yield (r0, r1), (0, seg.row_len), (seg.start + r0 * seg.stride - start, seg.stride)
+
+
+def _merge_adjacent(segments: list[Segment]) -> Iterator[Segment]:
+    run: Segment | None = None
+    for seg in segments:
+        if run is not None and run.rows == 1 and seg.rows == 1 and run.start + run.numel == seg.start:
+            n = run.numel + seg.numel
+            run = Segment(run.start, 1, n, n)
+            continue
+        if run is not None:
+            yield run
+        run = seg
+    if run is not None:
+        yield run
+
+
+def subview(view: torch.Tensor, segment: Segment, offset: int, sub: Segment) -> torch.Tensor:
+    """The part of ``view`` (``segment``'s elements as rows x row_len) that ``sub``, found at
+    element ``offset`` of it by :meth:`Segment.split_rows`, covers."""
+    if sub.rows > 1:
+        r = offset // segment.row_len
+        return view[r : r + sub.rows]
+    r, c = divmod(offset, view.shape[1])
+    return view[r, c : c + sub.numel]

@@ -1,0 +1,114 @@
+"""The coordinator's durable state at rest: sealed when the run seals, refused when it is not
+the file this run wrote (tampered, truncated, another run secret, sealed-ness swapped)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from geodiloco import cli
+from geodiloco.coordinator import durable
+from geodiloco.coordinator.durable import (
+    SEALED_MAGIC,
+    STATE_FILE,
+    STATE_LABEL,
+    CorruptStateError,
+    StateError,
+    load_state,
+    save_state,
+)
+from geodiloco.coordinator.rounds import RoundController
+from geodiloco.security.sealing import Keyring, Sealer
+from helpers import tiny_config
+
+N = 1000
+RUN_SECRET = bytes(range(32))
+
+
+def sealer(secret: bytes = RUN_SECRET) -> Sealer:
+    return Keyring(secret, "test-run").at_rest(STATE_LABEL)
+
+
+def controller(run_dir: Path, key: Sealer | None) -> RoundController:
+    cfg = tiny_config(round_timeout_s=0.2, limits__max_delta_norm_ratio=0.0)
+    return RoundController(cfg, torch.zeros(N), [1000] * cfg.data.shards, run_dir, key)
+
+
+async def commit_round(c: RoundController, value: float) -> None:
+    for name in c.cfg.sites:
+        await c.join(name, "")
+    for name in c.cfg.sites:
+        await c.contribute(name, "", c.round, 100, torch.full((N,), value))
+
+
+def test_sealed_state_hides_theta_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    c = controller(tmp_path, sealer())
+    asyncio.run(commit_round(c, 0.123456))
+    blob = (tmp_path / STATE_FILE).read_bytes()
+    assert blob.startswith(SEALED_MAGIC)
+    theta_bytes = c.theta.numpy().tobytes()
+    assert theta_bytes[:64] not in blob  # the parameters are not there in the clear
+    restarted = controller(tmp_path, sealer())
+    assert restarted.round == 1 and torch.equal(restarted.theta, c.theta)
+    assert restarted.hashes == c.hashes
+
+
+def test_tampered_sealed_state_is_refused(tmp_path: Path) -> None:
+    asyncio.run(commit_round(controller(tmp_path, sealer()), 0.5))
+    path = tmp_path / STATE_FILE
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptStateError, match="does not authenticate"):
+        controller(tmp_path, sealer())
+    path.write_bytes(bytes(data[:-1]))
+    with pytest.raises(CorruptStateError, match="truncated or altered"):
+        controller(tmp_path, sealer())
+
+
+def test_state_sealed_under_another_run_secret_is_refused(tmp_path: Path) -> None:
+    asyncio.run(commit_round(controller(tmp_path, sealer()), 0.5))
+    with pytest.raises(StateError, match="another run secret"):
+        controller(tmp_path, sealer(os.urandom(32)))
+
+
+def test_sealed_and_plain_states_are_not_interchangeable(tmp_path: Path) -> None:
+    sealed_dir, plain_dir = tmp_path / "sealed", tmp_path / "plain"
+    asyncio.run(commit_round(controller(sealed_dir, sealer()), 0.5))
+    asyncio.run(commit_round(controller(plain_dir, None), 0.5))
+    with pytest.raises(StateError, match="is sealed: start the coordinator with the run's --run-secret"):
+        controller(sealed_dir, None)
+    with pytest.raises(StateError, match="is not sealed, but this run seals its state"):
+        controller(plain_dir, sealer())
+
+
+def test_segments_cannot_be_reordered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(durable, "SEGMENT_BYTES", 1024)
+    path = tmp_path / STATE_FILE
+    state = {"theta": torch.arange(2048, dtype=torch.float32)}
+    save_state(path, state, sealer())
+    assert torch.equal(load_state(path, sealer())["theta"], state["theta"])  # type: ignore[index]
+    header, seg = durable._SEALED_HEADER.size, 12 + 1024 + 16
+    data = path.read_bytes()
+    swapped = data[:header] + data[header + seg : header + 2 * seg] + data[header : header + seg]
+    path.write_bytes(swapped + data[header + 2 * seg :])
+    with pytest.raises(CorruptStateError, match="segment 0 of"):
+        load_state(path, sealer())
+
+
+def test_serve_refuses_a_sealed_state_without_the_secret_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "coord"
+    asyncio.run(commit_round(controller(run_dir, sealer()), 0.5))
+    config = tmp_path / "run.json"
+    config.write_text(tiny_config().to_json())
+    args = ["coordinator", "serve", "--config", str(config), "--port", "0", "--run-dir", str(run_dir)]
+    assert cli.main([*args, "--insecure"]) == 2
+    err = capsys.readouterr().err
+    assert "is sealed: start the coordinator with the run's --run-secret" in err
+    assert "Traceback" not in err
