@@ -34,7 +34,7 @@ def _scratch_fp32(numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=torch.float32)
     buf: torch.Tensor | None = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(max(numel, 1 << 16), dtype=torch.float32)
+        buf = torch.empty(numel, dtype=torch.float32)  # no more than asked: ranks hold only their shard
         _scratch.buf = buf
     return buf[:numel]
 
