@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from geodiloco.compression import decode_chunks_into, encode_chunks, parse_pipeline
+from geodiloco.compression.envelope import HEADER_SIZE
 from geodiloco.demo import DemoOptions, demo_config
 from geodiloco.params import flatten_parameters
 from geodiloco.progress import Progress
@@ -103,6 +104,7 @@ class Row:
     cosine: float
     encode_MBps: float
     decode_MBps: float
+    entropy_gain: float  # frame size without the zstd stage / with it (1.0 without zstd)
 
 
 def pseudo_gradient(steps: int = 25) -> torch.Tensor:
@@ -145,7 +147,8 @@ def cosine(x: torch.Tensor, y: torch.Tensor) -> float:
 def measure(spec: str, tensor: str, x: torch.Tensor, sealed: str, repeats: int) -> Row:
     pipeline = parse_pipeline(spec)
     wrap, unwrap = WRAPPERS[sealed]
-    payload = wrap(pipeline.encode(x))
+    frame = pipeline.encode(x)
+    payload = wrap(frame)
     y = pipeline.decode(unwrap(payload), x.numel())
     mb = 4 * x.numel() / 1e6
     enc = best_seconds(lambda: wrap(pipeline.encode(x)), repeats)
@@ -159,6 +162,7 @@ def measure(spec: str, tensor: str, x: torch.Tensor, sealed: str, repeats: int) 
         cosine=cosine(x, y),
         encode_MBps=mb / enc,
         decode_MBps=mb / dec,
+        entropy_gain=(HEADER_SIZE + pipeline.raw_size(x.numel())) / len(frame),
     )
 
 
@@ -179,20 +183,24 @@ def measure_chunked(spec: str, tensor: str, x: torch.Tensor, sealed: str, repeat
         cosine=cosine(x, y),
         encode_MBps=mb / enc,
         decode_MBps=mb / dec,
+        entropy_gain=sum(HEADER_SIZE + pipeline.raw_size(c.numel) for c in chunks)
+        / sum(len(c.payload) for c in chunks),
     )
 
 
 def table(rows: list[Row], memcpy: dict[str, float]) -> str:
     lines = [
-        "| pipeline | tensor | sealed | bits/param | rel. L2 error | cosine | encode MB/s | decode MB/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| pipeline | tensor | sealed | bits/param | zstd gain | rel. L2 error | cosine | encode MB/s "
+        "| decode MB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| `{r.name}` | {r.tensor} | {r.sealed} | {r.bits_per_param:.3f} | {r.rel_l2_error:.4f} | "
+            f"| `{r.name}` | {r.tensor} | {r.sealed} | {r.bits_per_param:.3f} | {r.entropy_gain:.3f}x | "
+            f"{r.rel_l2_error:.4f} | "
             f"{r.cosine:.4f} | {r.encode_MBps:,.0f} | {r.decode_MBps:,.0f} |"
         )
-    lines += [f"| memcpy | {t} | | 32 | 0 | 1 | {v:,.0f} | {v:,.0f} |" for t, v in memcpy.items()]
+    lines += [f"| memcpy | {t} | | 32 | | 0 | 1 | {v:,.0f} | {v:,.0f} |" for t, v in memcpy.items()]
     return "\n".join(lines)
 
 

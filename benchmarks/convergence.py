@@ -1,18 +1,25 @@
-"""Convergence under compression: the demo's DiLoCo run once per codec pipeline, same seeds and tokens.
+"""Convergence under compression: the demo's DiLoCo run once per codec pipeline and seed, same tokens.
 
-Run:  .venv/bin/python benchmarks/convergence.py --json runs/convergence.json --plot runs/convergence.png
+Run:  .venv/bin/python benchmarks/convergence.py --seeds 1234 7 11 --json runs/convergence.json \
+          --plot runs/convergence.png
 
 Each run is the real system (coordinator + 3 sites x 2 ranks as processes, ``geodiloco demo``
 settings: FedAvg outer step, H=25, 36 rounds) with ``compression.uplink`` and
 ``compression.downlink`` set to the pipeline; error feedback is on in both directions, as always.
-``bits_per_param`` is the frame size per parameter of one direction (header included, before
-zstd); ``wan_bytes`` counts every protobuf message both ways, as the demo does.
+Every pipeline runs with every seed (model init and data order), so each lossy pipeline is
+compared with the uncompressed run of the same seed, and the spread over seeds shows how much of
+a difference is noise. ``bits_per_param`` is the frame size per parameter of one direction
+(header included, before zstd); ``wan_bytes`` counts every protobuf message both ways, as the demo
+does. A run in which some round closed without every site (``short_rounds`` > 0) trained on fewer
+tokens and is flagged in the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -29,33 +36,85 @@ PIPELINES = {
     "4-bit": "q4|zstd:1",
     "2-bit": "q2|zstd:1",
     "topk10%+2-bit": "topk:0.1|q2|zstd:1",
+    "fp16": "fp16",  # nearly lossless: how far a tiny perturbation alone moves the final loss
     "topk10%+4-bit": "topk:0.1|q4|zstd:1",
 }
 
 
-def run_one(name: str, spec: str, rounds: int | None, seed: int | None, run_dir: Path) -> dict[str, Any]:
-    overrides = [f"compression.uplink={spec}", f"compression.downlink={spec}"]
+def run_one(name: str, spec: str, rounds: int | None, seed: int, run_dir: Path) -> dict[str, Any]:
+    overrides = [f"compression.uplink={spec}", f"compression.downlink={spec}", f"seed={seed}"]
     if rounds:
         overrides.append(f"rounds={rounds}")
-    if seed is not None:
-        overrides.append(f"seed={seed}")
     opts = DemoOptions(overrides=overrides, baseline=False)
     cfg = demo_config(opts)
-    print(f"== {name}: {spec}", flush=True)
+    print(f"== {name}: {spec}, seed {seed}", flush=True)
     result = run_diloco(cfg, opts, run_dir)
-    params = num_parameters(build_model(cfg.model, cfg.seed))
+    per_round = [p["tokens"] // (p["round"] + 1) for p in result["curve"]]
     return {
-        "name": name,
-        "pipeline": spec,
-        "bits_per_param": parse_pipeline(spec).bits_per_param(min(params, cfg.compression.chunk_elements)),
-        "seed": cfg.seed,
+        "seed": seed,
         "final_eval_loss": result["final_eval_loss"],
         "wan_bytes": result["wan_bytes"],
         "tokens": result["tokens"],
+        "short_rounds": sum(t < max(per_round) for t in per_round),
         "hashes_agree": result["hashes_agree"],
         "wall_seconds": result["wall_seconds"],
         "curve": [{"tokens": p["tokens"], "eval_loss": p["eval_loss"]} for p in result["curve"]],
     }
+
+
+def summarise(name: str, spec: str, runs: list[dict[str, Any]], params: int, chunk: int) -> dict[str, Any]:
+    """One entry per pipeline: the issue's keys (means over seeds) plus every run."""
+    losses = [r["final_eval_loss"] for r in runs]
+    return {
+        "name": name,
+        "pipeline": spec,
+        "bits_per_param": parse_pipeline(spec).bits_per_param(min(params, chunk)),
+        "final_eval_loss": statistics.fmean(losses),
+        "final_eval_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+        "wan_bytes": statistics.fmean(r["wan_bytes"] for r in runs),
+        "seeds": [r["seed"] for r in runs],
+        "runs": runs,
+    }
+
+
+def summarise_all(
+    pipelines: dict[str, str], runs: dict[str, list[dict[str, Any]]], params: int, chunk: int
+) -> list[dict[str, Any]]:
+    return [summarise(n, spec, runs[n], params, chunk) for n, spec in pipelines.items() if runs[n]]
+
+
+def write_json(path: Path, results: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+
+
+def paired_deltas(entry: dict[str, Any], none: dict[str, Any] | None) -> list[float]:
+    """Relative final-loss difference to the uncompressed run of the same seed, per seed."""
+    if none is None:
+        return []
+    base = {r["seed"]: r["final_eval_loss"] for r in none["runs"]}
+    return [r["final_eval_loss"] / base[r["seed"]] - 1 for r in entry["runs"] if r["seed"] in base]
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    none = next((r for r in results if r["name"] == "none"), None)
+    lines = [
+        "| name | pipeline | bits/param | final eval loss (mean ± std) | vs none, per seed | mean "
+        "| WAN bytes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        deltas = paired_deltas(r, none)
+        per_seed = " ".join(f"{d:+.2%}" for d in deltas) or "-"
+        mean = f"{statistics.fmean(deltas):+.2%}" if deltas else "-"
+        short = sum(run["short_rounds"] for run in r["runs"])
+        flag = f" ({short} short rounds)" if short else ""
+        lines.append(
+            f"| {r['name']} | `{r['pipeline']}` | {r['bits_per_param']:.3f} | "
+            f"{r['final_eval_loss']:.4f} ± {r['final_eval_loss_std']:.4f}{flag} | {per_seed} | {mean} | "
+            f"{r['wan_bytes'] / 1e6:.1f} MB |"
+        )
+    return "\n".join(lines)
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
@@ -66,11 +125,14 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
-        curve = r["curve"]
+        curves = [run["curve"] for run in r["runs"]]
+        tokens = [p["tokens"] for p in curves[0]]
+        mean = [statistics.fmean(c[i]["eval_loss"] for c in curves) for i in range(len(tokens))]
         label = f"{r['name']} ({r['pipeline']}, {r['bits_per_param']:.2f} bits/param)"
-        ax.plot([p["tokens"] for p in curve], [p["eval_loss"] for p in curve], label=label)
+        ax.plot(tokens, mean, label=label)
+    seeds = len(results[0]["runs"]) if results else 0
     ax.set_xlabel("tokens")
-    ax.set_ylabel("eval loss")
+    ax.set_ylabel(f"eval loss (mean of {seeds} seed{'s' if seeds != 1 else ''})")
     ax.set_title("DiLoCo, 3 sites x 2 ranks, H=25: eval loss under each codec pipeline")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -83,36 +145,55 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="write a PNG of eval loss against tokens here")
     parser.add_argument("--rounds", type=int, help="outer rounds per run (default: the demo's 36)")
-    parser.add_argument("--seed", type=int, help="model and data seed for every run (default: the demo's)")
-    parser.add_argument("--only", nargs="*", help="run only these of the pipelines (by name)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="model and data seeds (default: the demo's)")
+    parser.add_argument("--only", nargs="*", help="run only these of the pipelines (by name, in this order)")
     parser.add_argument(
         "--extra", nargs="*", default=[], metavar="NAME=SPEC", help="more pipelines: 'q4-b32=q4:32|zstd:1'"
     )
+    parser.add_argument("--keep", type=Path, help="keep every run's logs under this folder")
+    parser.add_argument(
+        "--resume", type=Path, help="start from the runs in this JSON (an earlier --json) and skip those"
+    )
     args = parser.parse_args(argv)
-    pipelines = {**PIPELINES, **dict(e.split("=", 1) for e in args.extra)}
-    chosen = {
-        name: spec
+    defaults = demo_config(DemoOptions(baseline=False))
+    seeds = args.seeds or [defaults.seed]
+    extra = dict(e.split("=", 1) for e in args.extra)
+    unknown = [n for n in args.only or [] if n not in PIPELINES]
+    if unknown:
+        parser.error(f"unknown pipeline names {unknown}; known: {', '.join(PIPELINES)} (or use --extra)")
+    pipelines = {n: PIPELINES[n] for n in args.only} if args.only is not None else dict(PIPELINES)
+    pipelines |= extra
+    params = num_parameters(build_model(defaults.model, defaults.seed))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in pipelines}
+    if args.resume and args.resume.exists():
+        for entry in json.loads(args.resume.read_text()):
+            if pipelines.get(entry["name"]) == entry["pipeline"]:
+                runs[entry["name"]] = [r for r in entry["runs"] if r["seed"] in seeds]
+    todo = [
+        (seed, name, spec)
+        for seed in seeds  # seed by seed, so that an interrupted sweep still has paired comparisons
         for name, spec in pipelines.items()
-        if args.only is None or name in args.only or f"{name}={spec}" in args.extra
-    }
-    results = []
-    with Progress("convergence runs", max(1, len(chosen)), every_s=0) as progress:
-        for name, spec in chosen.items():
-            with tempfile.TemporaryDirectory(prefix=f"convergence-{name.replace('%', '')}-") as tmp:
-                results.append(run_one(name, spec, args.rounds, args.seed, Path(tmp)))
-            progress.advance(note=f"{name} done")
-    none = next((r["final_eval_loss"] for r in results if r["name"] == "none"), None)
-    print("| name | pipeline | bits/param | final eval loss | vs none | WAN bytes |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        ratio = f"{r['final_eval_loss'] / none - 1:+.2%}" if none else "-"
-        print(
-            f"| {r['name']} | `{r['pipeline']}` | {r['bits_per_param']:.3f} | {r['final_eval_loss']:.4f} | "
-            f"{ratio} | {r['wan_bytes'] / 1e6:.1f} MB |"
-        )
+        if not any(r["seed"] == seed for r in runs[name])  # measured already (--resume)
+    ]
+    with Progress("convergence runs", max(1, len(todo)), every_s=0) as progress:
+        for seed, name, spec in todo:
+            label = f"{name.replace('%', '')}-{seed}"
+            if args.keep:
+                run_dir = args.keep / label
+                shutil.rmtree(run_dir, ignore_errors=True)
+                run_dir.mkdir(parents=True)
+                runs[name].append(run_one(name, spec, args.rounds, seed, run_dir))
+            else:
+                with tempfile.TemporaryDirectory(prefix=f"convergence-{label}-") as tmp:
+                    runs[name].append(run_one(name, spec, args.rounds, seed, Path(tmp)))
+            if args.json:  # after every run, so a long sweep leaves its results as it goes
+                chunk = defaults.compression.chunk_elements
+                write_json(args.json, summarise_all(pipelines, runs, params, chunk))
+            progress.advance(note=f"{name} seed {seed} done")
+    results = summarise_all(pipelines, runs, params, defaults.compression.chunk_elements)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+        write_json(args.json, results)
+    print(table(results))
     if args.plot:
         plot(results, args.plot)
 

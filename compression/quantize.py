@@ -8,6 +8,8 @@ waste a quarter of its codes on a symmetric grid, so it uses the four levels ±a
 
 from __future__ import annotations
 
+import math
+import threading
 import zlib
 from dataclasses import dataclass
 
@@ -20,6 +22,21 @@ from geodiloco.compression.errors import CodecError
 # bits -> (half-range in steps, code offset, largest code): value = (code - offset) * step
 _GRIDS: dict[int, tuple[float, float, int]] = {8: (127.0, 0.0, 127), 4: (7.0, 7.0, 14), 2: (1.5, 1.5, 3)}
 FP32_MAX = torch.finfo(torch.float32).max
+SCRATCH_MAX = 1 << 21  # elements: one streamed chunk at most; larger inputs get a fresh buffer
+
+_scratch = threading.local()
+
+
+def _scratch_fp32(numel: int) -> torch.Tensor:
+    """A per-thread fp32 work buffer: a fresh multi-MB temporary per chunk costs more in page
+    faults than the arithmetic that fills it."""
+    if numel > SCRATCH_MAX:
+        return torch.empty(numel, dtype=torch.float32)
+    buf: torch.Tensor | None = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=torch.float32)  # no more than asked: ranks hold only their shard
+        _scratch.buf = buf
+    return buf[:numel]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +85,14 @@ class BlockwiseAbsmax:
     def _scale(self, x: torch.Tensor, first: int, rows: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """Write the rows' steps into ``step``; return their codes as a flat float tensor."""
         half, offset, top = _GRIDS[self.bits]
-        absmax = rows.abs().amax(dim=1)
-        if not bool(torch.isfinite(absmax).all()):  # NaN/Inf anywhere shows up in its block's absmax
+        # two reading passes, no temporary (abs() would write a copy of the input); the final
+        # abs_ turns an all-zero block's -0.0 into +0.0
+        absmax = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_()).abs_()
+        if not math.isfinite(float(absmax.max())):  # NaN/Inf anywhere shows up in the largest absmax
             raise CodecError("tensor contains NaN or Inf")
         torch.div(absmax, half, out=step)
-        inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
-        y = torch.mul(rows, inv[:, None])
+        inv = torch.reciprocal(step).nan_to_num_(posinf=0.0)  # an all-zero block: step 0, codes 0
+        y = torch.mul(rows, inv[:, None], out=_scratch_fp32(rows.numel()).view_as(rows))
         if offset:
             y.add_(offset)
         if self.sr_seed is None:
