@@ -60,15 +60,22 @@ def _like_params(model: nn.Module, locals_: list[torch.Tensor]) -> dict[str, tor
     return out
 
 
-def _residual_like_params(sync: OuterSync) -> list[torch.Tensor]:
-    """The residual spread over local pieces, replicas' disjoint parts added together."""
-    assert sync.shards is not None and sync.model is not None
+def _residual_pieces(sync: OuterSync) -> list[torch.Tensor]:
+    """The rank's residual laid out like its local pieces (zero where another rank owns)."""
+    assert sync.shards is not None
     pieces = [torch.zeros_like(p.local, dtype=torch.float32) for p in sync.shards.pieces]
     at = 0
     for owned, view in sync.shards.owned_views(pieces):
         n = owned.segment.numel
         view.copy_(sync.feedback.residual[at : at + n].view(view.shape))
         at += n
+    return pieces
+
+
+def _residual_like_params(sync: OuterSync) -> list[torch.Tensor]:
+    """The residual spread over local pieces, replicas' disjoint parts added together."""
+    assert sync.model is not None
+    pieces = _residual_pieces(sync)
     for (_, p), piece in zip(canonical_parameters(sync.model), pieces, strict=True):
         if not isinstance(p, DTensor):
             if dist.is_initialized() and dist.get_world_size() > 1:
@@ -154,11 +161,4 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sync: O
 
 def residual_digest(sync: OuterSync) -> str:
     """Canonical hash of the error-feedback residual, whatever the layout."""
-    assert sync.shards is not None
-    pieces = [torch.zeros_like(p.local, dtype=torch.float32) for p in sync.shards.pieces]
-    at = 0
-    for owned, view in sync.shards.owned_views(pieces):
-        n = owned.segment.numel
-        view.copy_(sync.feedback.residual[at : at + n].view(view.shape))
-        at += n
-    return sync.digest(pieces)
+    return sync.digest(_residual_pieces(sync))
