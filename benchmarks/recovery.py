@@ -21,10 +21,8 @@ carries up to ~20 ms of observation delay. The default run takes a few minutes o
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
-import os
 import signal
 import socket
 import statistics
@@ -38,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from geodiloco.config import RunConfig
+from geodiloco.processes import kill_tree, spawn_geodiloco
 from geodiloco.site.client import OuterSyncClient
 from geodiloco.site.outer_sync import CATCH_UP_ROUNDS
 from geodiloco.status import fetch_status, request_shutdown
@@ -83,48 +82,6 @@ class Settings:
         )
 
 
-def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """`geodiloco ARGS` in its own process group (a site is a launcher, torchrun and its ranks)."""
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "geodiloco", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid``, parents first (from /proc, Linux)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue  # exited meanwhile
-            ppid = int(stat.rpartition(")")[2].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_site(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a site with all its ranks, as if its machine died.
-
-    Killing the process group is not enough: torchrun starts each rank in a session of its own,
-    so the ranks would outlive their launcher and go on training under the site's name.
-    """
-    for pid in [proc.pid, *descendants(proc.pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait()
-
-
 class Run:
     """A coordinator and its sites as real processes, each site behind a WAN proxy."""
 
@@ -157,11 +114,13 @@ class Run:
 
     def start_coordinator(self) -> subprocess.Popen[bytes]:
         self.port_file.unlink(missing_ok=True)
-        return spawn(self.serve_args, self.workdir / "coordinator.log")
+        return spawn_geodiloco(self.serve_args, self.workdir / "coordinator.log")
 
     def start_site(self, name: str) -> subprocess.Popen[bytes]:
         args = ["site", "run", "--name", name, "--coordinator", self.proxies[name].address]
-        return spawn([*args, "--nproc", str(self.s.nproc), "--insecure"], self.workdir / f"{name}.log")
+        return spawn_geodiloco(
+            [*args, "--nproc", str(self.s.nproc), "--insecure"], self.workdir / f"{name}.log"
+        )
 
     def rounds(self) -> list[dict[str, Any]]:
         """The committed rounds logged so far; a line still being written is not one yet."""
@@ -203,7 +162,7 @@ class Run:
                 pass
         for proc in (*self.sites.values(), self.coordinator):
             if proc.poll() is None:
-                kill_site(proc)
+                kill_tree(proc)
         for proxy in self.proxies.values():
             proxy.close()
 
@@ -225,7 +184,7 @@ def measure_site_death(run: Run, victim: str) -> dict[str, float]:
     run.wait_for(lambda: len(run.rounds()) > start, "a commit before the kill")
     killed_at_round = len(run.rounds())
     killed = time.monotonic()
-    kill_site(run.sites[victim])
+    kill_tree(run.sites[victim])
     committed = run.wait_for_commit(
         killed_at_round, lambda r: victim not in r["contributors"], "a round without it"
     )
@@ -310,7 +269,7 @@ def run_benchmark(s: Settings, workdir: Path) -> dict[str, Any]:
         results["site_death"] = [measure_site_death(run, victim) for _ in range(s.repeats)]
         note("killing the coordinator")
         results["coordinator_death"] = [measure_coordinator_death(run, typical) for _ in range(s.repeats)]
-        kill_site(run.sites[victim])  # its identity is used by the catch-up client below
+        kill_tree(run.sites[victim])  # its identity is used by the catch-up client below
         # A restarted coordinator keeps only the updates it committed itself: let a few commit.
         resumed = len(run.rounds())
         run.wait_for(lambda: len(run.rounds()) > resumed + CATCH_UP_ROUNDS, "rounds after the restart")

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Coroutine
@@ -29,6 +25,8 @@ from geodiloco.coordinator.server import (
     run_until_stopped,
     start_server,
 )
+from geodiloco.processes import kill_tree as kill_tree  # re-exported for the tests
+from geodiloco.processes import spawn_geodiloco as spawn_geodiloco
 from geodiloco.security.policy import ServerSecurity
 from geodiloco.workload.data import DataRange
 
@@ -124,46 +122,6 @@ class CoordinatorThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def spawn_geodiloco(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """`geodiloco ARGS` as a real process in its own process group, output to ``log``."""
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "geodiloco", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # so a test can SIGKILL a site with all its ranks
-        )
-
-
-def kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a spawned process and everything below it, as if its machine died.
-
-    A site's process group is not enough: torchrun starts each rank in a session of its own, so
-    its ranks would outlive the launcher and go on training under the site's name."""
-    for pid in [proc.pid, *_descendants(proc.pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait()
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid``, parents first (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # exited meanwhile
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def start_coordinator_process(cfg: RunConfig, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
