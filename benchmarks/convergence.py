@@ -41,10 +41,8 @@ PIPELINES = {
 }
 
 
-def run_one(name: str, spec: str, rounds: int | None, seed: int, run_dir: Path) -> dict[str, Any]:
-    overrides = [f"compression.uplink={spec}", f"compression.downlink={spec}", f"seed={seed}"]
-    if rounds:
-        overrides.append(f"rounds={rounds}")
+def run_one(name: str, spec: str, settings: list[str], seed: int, run_dir: Path) -> dict[str, Any]:
+    overrides = [*settings, f"compression.uplink={spec}", f"compression.downlink={spec}", f"seed={seed}"]
     opts = DemoOptions(overrides=overrides, baseline=False)
     cfg = demo_config(opts)
     print(f"== {name}: {spec}, seed {seed}", flush=True)
@@ -150,12 +148,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--extra", nargs="*", default=[], metavar="NAME=SPEC", help="more pipelines: 'q4-b32=q4:32|zstd:1'"
     )
+    parser.add_argument(
+        "--schedule",
+        choices=("cosine", "constant"),
+        default="cosine",
+        help="inner lr: cosine decay to 10%% over the run (default), or the demo's constant lr",
+    )
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides")
     parser.add_argument("--keep", type=Path, help="keep every run's logs under this folder")
     parser.add_argument(
         "--resume", type=Path, help="start from the runs in this JSON (an earlier --json) and skip those"
     )
     args = parser.parse_args(argv)
-    defaults = demo_config(DemoOptions(baseline=False))
+    settings = [f"rounds={args.rounds}"] if args.rounds else []
+    defaults = demo_config(DemoOptions(overrides=settings, baseline=False))
+    if args.schedule == "cosine":
+        settings.append(f"inner.decay_steps={defaults.rounds * defaults.inner.steps_per_round}")
+    settings += args.set
     seeds = args.seeds or [defaults.seed]
     extra = dict(e.split("=", 1) for e in args.extra)
     unknown = [n for n in args.only or [] if n not in PIPELINES]
@@ -182,10 +191,10 @@ def main(argv: list[str] | None = None) -> None:
                 run_dir = args.keep / label
                 shutil.rmtree(run_dir, ignore_errors=True)
                 run_dir.mkdir(parents=True)
-                runs[name].append(run_one(name, spec, args.rounds, seed, run_dir))
+                runs[name].append(run_one(name, spec, settings, seed, run_dir))
             else:
                 with tempfile.TemporaryDirectory(prefix=f"convergence-{label}-") as tmp:
-                    runs[name].append(run_one(name, spec, args.rounds, seed, Path(tmp)))
+                    runs[name].append(run_one(name, spec, settings, seed, Path(tmp)))
             if args.json:  # after every run, so a long sweep leaves its results as it goes
                 chunk = defaults.compression.chunk_elements
                 write_json(args.json, summarise_all(pipelines, runs, params, chunk))

@@ -2,7 +2,7 @@
 
 A pipeline is named by a spec string such as ``"topk:0.05|q2|zstd:3"``: an optional sparsifier,
 one value codec, an optional entropy stage; every chunk is framed with a length, codec tag and
-CRC-32. See :mod:`.pipeline`.
+checksum. See :mod:`.pipeline`.
 """
 
 from geodiloco.compression.error_feedback import ErrorFeedback

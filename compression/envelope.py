@@ -1,12 +1,14 @@
-"""The 16-byte header in front of every encoded chunk: magic, version, codec tag, size, CRC-32.
+"""The 16-byte header in front of every encoded chunk: magic, version, codec tag, size, checksum.
 
 gRPC and TLS already protect bytes in transit, and sealing (AEAD) authenticates them, but the
 decoders must still turn a truncated, corrupted or mislabelled payload into a clear error
 rather than wrong numbers: in unsealed development runs, at rest in files, and when a chunk is
-handed to the wrong pipeline. A CRC-32 costs about 1/25 of a memcpy of the fp32 input on the
-int8 path (zlib.crc32, measured by ``benchmarks/codecs.py``); the tag (CRC-32 of the canonical
-pipeline spec) catches a chunk decoded with the wrong pipeline, the element count a chunk
-decoded at the wrong size.
+handed to the wrong pipeline. The checksum is the low 32 bits of XXH3-64 of the body: a random
+corruption passes with probability 2^-32, as with a CRC-32, but XXH3 hashes ~100 GB/s where
+zlib's CRC-32 managed ~6 (on a q8 chunk of the reference pseudo-gradient: 5 µs against 85 µs,
+a quarter of the whole fused int8 encode). It is no defence against a forger: sealing is. The tag
+(CRC-32 of the canonical pipeline spec, computed once per pipeline) catches a chunk decoded with
+the wrong pipeline, the element count a chunk decoded at the wrong size.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from __future__ import annotations
 import struct
 import zlib
 
+import xxhash
+
 from geodiloco.compression.errors import CodecError
 
 MAGIC = b"GD"
-VERSION = 1
-_HEADER = struct.Struct("<2sBBIII")  # magic, version, flags (0), codec tag, element count, CRC-32 of body
+VERSION = 2  # 1 checked the body with CRC-32
+_HEADER = struct.Struct("<2sBBIII")  # magic, version, flags (0), codec tag, element count, body checksum
 HEADER_SIZE = _HEADER.size
 MAX_ELEMENTS = (1 << 32) - 1
 
@@ -27,11 +31,16 @@ def codec_tag(canonical_spec: str) -> int:
     return zlib.crc32(canonical_spec.encode())
 
 
+def checksum(body: bytes | memoryview) -> int:
+    """The low 32 bits of XXH3-64 (seed 0) of ``body``."""
+    return xxhash.xxh3_64_intdigest(body) & 0xFFFFFFFF
+
+
 def seal(tag: int, numel: int, body: bytes | memoryview) -> bytes:
     """Header + body."""
     if numel > MAX_ELEMENTS:
         raise CodecError(f"a chunk holds at most {MAX_ELEMENTS} elements, got {numel}")
-    return _HEADER.pack(MAGIC, VERSION, 0, tag, numel, zlib.crc32(body)) + body
+    return _HEADER.pack(MAGIC, VERSION, 0, tag, numel, checksum(body)) + body
 
 
 def open_frame(data: bytes | memoryview, tag: int, numel: int, spec: str) -> memoryview:
@@ -50,6 +59,6 @@ def open_frame(data: bytes | memoryview, tag: int, numel: int, spec: str) -> mem
     if got_numel != numel:
         raise CodecError(f"frame holds {got_numel} elements, the receiver expects {numel}")
     body = memoryview(data)[HEADER_SIZE:]
-    if zlib.crc32(body) != crc:
+    if checksum(body) != crc:
         raise CodecError(f"frame checksum mismatch ({len(body)}-byte body): corrupted or truncated")
     return body

@@ -19,6 +19,11 @@ from geodiloco.compression.base import as_blocks, block_rows, n_blocks, reinterp
 from geodiloco.compression.bits import pack_bits, packed_size, unpack_bits
 from geodiloco.compression.errors import CodecError
 
+try:  # the fused C kernels for 8 bits, built at install time; same bytes as the torch path
+    from geodiloco.compression import _kernels
+except ImportError:  # pragma: no cover - only where no C compiler was available at install
+    _kernels = None  # type: ignore[assignment]
+
 # bits -> (half-range in steps, code offset, largest code): value = (code - offset) * step
 _GRIDS: dict[int, tuple[float, float, int]] = {8: (127.0, 0.0, 127), 4: (7.0, 7.0, 14), 2: (1.5, 1.5, 3)}
 FP32_MAX = torch.finfo(torch.float32).max
@@ -69,11 +74,21 @@ class BlockwiseAbsmax:
     def encoded_size(self, numel: int) -> int:
         return 4 * n_blocks(numel, self.block) + self._code_bytes(numel)
 
+    @property
+    def fused(self) -> bool:
+        """Whether the C kernels do this codec's work (8 bits, round to nearest)."""
+        return _kernels is not None and self.bits == 8 and self.sr_seed is None
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         numel, nb = x.numel(), n_blocks(x.numel(), self.block)
         out = torch.empty(self.encoded_size(numel), dtype=torch.uint8)
         step = out[: 4 * nb].view(torch.float32)
         codes = out[4 * nb :].view(torch.int8) if self.bits == 8 else torch.empty(numel, dtype=torch.uint8)
+        if self.fused and numel and x.dtype == torch.float32:
+            src = x.detach().contiguous().numpy()
+            if not _kernels.quantize_q8(src, self.block, step.numpy(), codes.numpy()):
+                raise CodecError("tensor contains NaN or Inf")
+            return out
         for first, rows in block_rows(x, self.block):
             start = first * self.block
             dst = codes[start : start + rows.numel()]
@@ -115,6 +130,11 @@ class BlockwiseAbsmax:
             raise CodecError(f"{self.spec}: a block scale (step) is negative, too large or not finite")
         if self.bits == 8:
             codes = raw[4 * nb :].view(torch.int8)
+            if self.fused and numel:
+                out = torch.empty(numel, dtype=torch.float32)
+                if not _kernels.dequantize_q8(step.numpy(), codes.numpy(), self.block, out.numpy()):
+                    raise CodecError(f"{self.spec}: code -128 is outside the grid")
+                return out
             if numel and int(codes.min()) < -top:
                 raise CodecError(f"{self.spec}: code -128 is outside the grid")
         else:

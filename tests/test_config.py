@@ -26,6 +26,8 @@ def test_json_roundtrip_is_lossless() -> None:
         ("outer.momentum=1.5", "outer.momentum"),
         ("compression.uplink=q3", "compression.uplink: unknown codec stage 'q3'"),
         ("inner.steps_per_round=0", "inner.steps_per_round"),
+        ("inner.decay_steps=-1", "inner.decay_steps"),
+        ("inner.min_lr_ratio=1.5", "inner.min_lr_ratio"),
         ('rounds="many"', "rounds: expected an integer"),
         ("model.d_model=30", "model.d_model (30) must be divisible by model.n_head"),
         (

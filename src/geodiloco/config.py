@@ -71,6 +71,8 @@ class InnerConfig:
     lr: float = 6e-3
     weight_decay: float = 0.01
     warmup_steps: int = 0
+    decay_steps: int = 0  # cosine decay to lr * min_lr_ratio over this many steps after warm-up; 0: none
+    min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
 
     def __post_init__(self) -> None:
@@ -78,6 +80,10 @@ class InnerConfig:
         _require(self.lr > 0, "inner.lr", f"must be > 0, got {self.lr}")
         _require(self.weight_decay >= 0, "inner.weight_decay", "must be >= 0")
         _require(self.warmup_steps >= 0, "inner.warmup_steps", "must be >= 0")
+        _require(self.decay_steps >= 0, "inner.decay_steps", "must be >= 0 (0 keeps the lr constant)")
+        _require(
+            0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}"
+        )
         _require(self.grad_clip >= 0, "inner.grad_clip", "must be >= 0 (0 disables clipping)")
 
 

@@ -3,18 +3,20 @@ import os
 import numpy as np
 import pytest
 import torch
+import zstandard
 
 from geodiloco.compression import parse_pipeline
-from geodiloco.compression.entropy import FAST_LEVEL, MIN_SAMPLED, Zstd, estimated_gain
+from geodiloco.compression.entropy import MIN_SAMPLED, Zstd, estimated_gain, stored_frame
 
 
 def test_bytes_that_cannot_shrink_skip_entropy_coding() -> None:
     data = os.urandom(1 << 18)
     assert estimated_gain(data) < 0.02
     zstd = Zstd(level=3)
-    assert zstd.effective_level(data) == FAST_LEVEL
+    assert not zstd.worth_coding(data)
     frame = zstd.encode(data)
-    assert len(frame) <= len(data) + 64  # stored, not expanded
+    assert frame == stored_frame(data)
+    assert len(frame) == len(data) + 13 + 3 * 2  # frame header, then one 3-byte header per 128 KiB
     assert zstd.decode(frame, len(data)) == data
 
 
@@ -23,7 +25,7 @@ def test_skewed_bytes_are_coded_at_the_configured_level() -> None:
     codes = np.clip(np.round(rng.normal(0, 8, 1 << 18)), -127, 127).astype(np.int8).tobytes()
     zstd = Zstd(level=3)
     assert estimated_gain(codes) > 0.3
-    assert zstd.effective_level(codes) == 3
+    assert zstd.worth_coding(codes)
     frame = zstd.encode(codes)
     assert len(frame) < 0.75 * len(codes)
     assert zstd.decode(frame, len(codes)) == codes
@@ -31,7 +33,18 @@ def test_skewed_bytes_are_coded_at_the_configured_level() -> None:
 
 def test_small_inputs_always_use_the_configured_level() -> None:
     data = os.urandom(MIN_SAMPLED - 1)
-    assert Zstd(level=5).effective_level(data) == 5
+    assert Zstd(level=5).worth_coding(data)
+
+
+@pytest.mark.parametrize("size", [0, 1, 1000, 128 * 1024 - 1, 128 * 1024, 128 * 1024 + 1, 3 << 20])
+def test_stored_frames_are_standard_zstd_frames(size: int) -> None:
+    """Any zstd decoder reads them, with the content size declared; the blocks split at 128 KiB."""
+    data = os.urandom(size)
+    frame = stored_frame(data)
+    assert zstandard.frame_content_size(frame) == size
+    assert zstandard.ZstdDecompressor().decompress(frame, max_output_size=size) == data
+    assert Zstd(level=3).decode(frame, size) == data
+    assert len(frame) == 13 + 3 * max(1, -(-size // (128 * 1024))) + size
 
 
 def test_q8_of_uniform_values_is_stored_and_decodes_exactly_like_q8() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -17,16 +18,30 @@ def make_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.Adam
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, cfg: InnerConfig, step: int) -> None:
-    """Linear warm-up to ``cfg.lr`` over ``cfg.warmup_steps`` global steps, then constant.
+def lr_at(cfg: InnerConfig, step: int) -> float:
+    """Linear warm-up to ``cfg.lr`` over ``cfg.warmup_steps`` global steps, then constant or, with
+    ``cfg.decay_steps``, a cosine decay to ``cfg.lr * cfg.min_lr_ratio`` over that many steps.
 
-    Without warm-up the optimizer keeps the lr it was built with (a user's builder may set
-    its own per parameter group)."""
-    if not cfg.warmup_steps:
+    A decayed lr makes the end of a run settle: without it, a small perturbation early on (a
+    lossy codec, a different reduction order) moves the final loss of a short run by percents."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if not cfg.decay_steps:
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / cfg.decay_steps)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, cfg: InnerConfig, step: int) -> None:
+    """Set the lr of ``step`` (global) on every parameter group.
+
+    Without a warm-up or decay the optimizer keeps the lr it was built with (a user's builder
+    may set its own per parameter group)."""
+    if not cfg.warmup_steps and not cfg.decay_steps:
         return
-    scale = min(1.0, (step + 1) / cfg.warmup_steps)
     for group in optimizer.param_groups:
-        group["lr"] = cfg.lr * scale
+        group["lr"] = lr_at(cfg, step)
 
 
 def inner_step(

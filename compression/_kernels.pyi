@@ -1,0 +1,6 @@
+"""Fused C kernels (compression/_kernels.c)."""
+
+from typing import Any
+
+def quantize_q8(x: Any, block: int, steps: Any, codes: Any) -> bool: ...
+def dequantize_q8(steps: Any, codes: Any, block: int, out: Any) -> bool: ...

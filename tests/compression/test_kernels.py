@@ -1,0 +1,90 @@
+"""The fused C kernels for int8 give exactly the torch path's bytes and values, and refuse bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from geodiloco.compression import CodecError, quantize
+from geodiloco.compression.quantize import BlockwiseAbsmax
+from tests.compression.codec_strategies import tensors
+
+
+@pytest.fixture
+def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quantize, "_kernels", None)
+
+
+def test_the_kernels_are_built() -> None:
+    """The package builds them at install (pyproject.toml); without them int8 is ~4x slower."""
+    assert quantize._kernels is not None
+    assert BlockwiseAbsmax(bits=8).fused
+    assert not BlockwiseAbsmax(bits=4).fused
+    assert not BlockwiseAbsmax(bits=8, sr_seed=1).fused
+
+
+def _both_paths(codec: BlockwiseAbsmax, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    fused = codec.encode(x)
+    kernels, quantize._kernels = quantize._kernels, None
+    try:
+        reference = codec.encode(x)
+    finally:
+        quantize._kernels = kernels
+    return fused, reference
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=tensors(), block=st.sampled_from([1, 7, 32, 128, 4096]))
+def test_fused_encode_and_decode_equal_the_torch_path(x: torch.Tensor, block: int) -> None:
+    codec = BlockwiseAbsmax(bits=8, block=block)
+    fused, reference = _both_paths(codec, x)
+    assert torch.equal(fused, reference)
+    decoded = codec.decode(fused, x.numel())
+    kernels, quantize._kernels = quantize._kernels, None
+    try:
+        assert torch.equal(decoded, codec.decode(fused, x.numel()))
+    finally:
+        quantize._kernels = kernels
+
+
+def test_ties_round_to_even_as_torch_does() -> None:
+    """absmax 127 gives step 1, so x.5 values sit exactly between two codes."""
+    x = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5])
+    fused, reference = _both_paths(BlockwiseAbsmax(bits=8, block=8), x)
+    assert torch.equal(fused, reference)
+    assert fused[4:].view(torch.int8).tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", [0, 127, 128, 999])
+def test_non_finite_input_is_refused(bad: float, where: int) -> None:
+    x = torch.randn(1000)
+    x[where] = bad
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        BlockwiseAbsmax(bits=8).encode(x)
+
+
+def test_a_code_off_the_grid_is_refused_by_the_fused_decoder() -> None:
+    codec = BlockwiseAbsmax(bits=8, block=128)
+    raw = codec.encode(torch.randn(300))
+    raw[4 * 3 + 299] = 0x80  # -128 as int8
+    with pytest.raises(CodecError, match="-128"):
+        codec.decode(raw, 300)
+
+
+def test_non_contiguous_and_non_fp32_inputs_take_a_correct_path() -> None:
+    codec = BlockwiseAbsmax(bits=8, block=16)
+    x = torch.randn(64, 3)
+    column = x[:, 1]  # strided view
+    assert torch.equal(codec.encode(column), codec.encode(column.contiguous()))
+    assert torch.equal(codec.encode(column.double()), codec.encode(column.contiguous()))
+
+
+def test_the_torch_path_still_works_alone(torch_path: None) -> None:
+    codec = BlockwiseAbsmax(bits=8)
+    x = torch.randn(1000)
+    assert not codec.fused
+    y = codec.decode(codec.encode(x), 1000)
+    assert float((x - y).abs().max()) <= float(x.abs().max()) / 127 / 2 * (1 + 1e-5)
