@@ -5,7 +5,7 @@ import pytest
 import torch
 import zstandard
 
-from geodiloco.compression import parse_pipeline
+from geodiloco.compression import CodecError, parse_pipeline
 from geodiloco.compression.entropy import MIN_SAMPLED, Zstd, estimated_gain, stored_frame
 
 
@@ -63,3 +63,17 @@ def test_fp32_bytes_are_sampled_at_every_byte_position() -> None:
     pipeline = parse_pipeline("fp32|zstd:1")
     assert estimated_gain(x.numpy().tobytes()) > 0.05
     assert len(pipeline.encode(x)) < 0.95 * 4 * x.numel()
+
+
+def test_a_damaged_stored_frame_is_a_clear_error() -> None:
+    """Below the frame checksum, the zstd decoder itself refuses a stored frame cut short or lying."""
+    data = os.urandom(200_000)
+    frame = bytearray(stored_frame(data))
+    zstd = Zstd(level=3)
+    with pytest.raises(CodecError, match="zstd"):
+        zstd.decode(bytes(frame[:-10]), len(data))  # truncated
+    with pytest.raises(CodecError, match="zstd frame declares"):
+        zstd.decode(bytes(frame), len(data) - 1)  # the receiver expects another size
+    frame[13:16] = ((1 << 20) << 3 | 1).to_bytes(3, "little")  # first block claims 1 MiB, last
+    with pytest.raises(CodecError, match="zstd"):
+        zstd.decode(bytes(frame), len(data))
