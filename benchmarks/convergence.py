@@ -24,11 +24,24 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from geodiloco.compression import parse_pipeline
+from geodiloco.config import RunConfig
 from geodiloco.demo import DemoOptions, demo_config, run_diloco
 from geodiloco.params import num_parameters
 from geodiloco.progress import Progress
-from geodiloco.workload import build_model
+from geodiloco.workload import (
+    DataRange,
+    DataShards,
+    build_model,
+    eval_windows,
+    evaluate,
+    inner_step,
+    load_corpus,
+    make_inner_optimizer,
+    rank_batch,
+)
 
 PIPELINES = {
     "none": "fp32",
@@ -58,6 +71,32 @@ def run_one(name: str, spec: str, settings: list[str], seed: int, run_dir: Path)
         "wall_seconds": result["wall_seconds"],
         "curve": [{"tokens": p["tokens"], "eval_loss": p["eval_loss"]} for p in result["curve"]],
     }
+
+
+def warm_start(cfg: RunConfig, steps: int, path: Path) -> float:
+    """Train the reference model alone for ``steps`` steps, save its state dict; its eval loss.
+
+    The DiLoCo paper starts from a pretrained model too. One process, the whole run's batch per
+    step (sites x ranks x ``data.batch_size``), the inner AdamW at a constant lr, the data in
+    another order than the runs' (``seed + 1``). Every run then starts from this θ_0, so
+    ``--seeds`` vary the runs' data order only.
+    """
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, cfg.seed)
+    optimizer = make_inner_optimizer(model, cfg.inner)
+    corpus = load_corpus(cfg.data.paths, cfg.data.max_bytes, cfg.data.eval_fraction)
+    shards = DataShards(corpus, count=cfg.data.shards, seq_len=cfg.model.seq_len, seed=cfg.seed + 1)
+    windows = shards.windows([DataRange(i, 0, size) for i, size in enumerate(shards.sizes)])
+    batch = len(cfg.sites) * 2 * cfg.data.batch_size
+    with Progress("warm start", steps, every_s=30) as progress:
+        for step in range(steps):
+            x, y = rank_batch(windows, step, 0, 1, batch)
+            inner_step(model, optimizer, cfg.inner, step, x, y)
+            progress.advance()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), path)
+    loss_sum, count = evaluate(model, eval_windows(corpus, cfg.data.eval_sequences, cfg.model.seq_len))
+    return loss_sum / count
 
 
 def summarise(name: str, spec: str, runs: list[dict[str, Any]], params: int, chunk: int) -> dict[str, Any]:
@@ -154,6 +193,13 @@ def main(argv: list[str] | None = None) -> None:
         default="cosine",
         help="inner lr: cosine decay to 10%% over the run (default), or the demo's constant lr",
     )
+    parser.add_argument(
+        "--warm-start",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="start every run from the reference model trained alone for STEPS steps (default: scratch)",
+    )
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides")
     parser.add_argument("--keep", type=Path, help="keep every run's logs under this folder")
     parser.add_argument(
@@ -165,6 +211,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.schedule == "cosine":
         settings.append(f"inner.decay_steps={defaults.rounds * defaults.inner.steps_per_round}")
     settings += args.set
+    if args.warm_start:
+        path = (args.keep or Path(tempfile.gettempdir())) / f"warm-start-{defaults.seed}-{args.warm_start}.pt"
+        if not path.exists():
+            loss = warm_start(defaults, args.warm_start, path)
+            print(f"warm start: {args.warm_start} steps, eval loss {loss:.4f}, saved to {path}", flush=True)
+        settings.append(f"workload.init_weights={path}")
     seeds = args.seeds or [defaults.seed]
     extra = dict(e.split("=", 1) for e in args.extra)
     unknown = [n for n in args.only or [] if n not in PIPELINES]

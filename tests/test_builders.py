@@ -131,3 +131,30 @@ def test_example_builders_are_deterministic_and_split_rounds_among_ranks(
     assert data.tokens((x, labels)) == 32 and float(build_model(cfg)(x, labels).detach()) > 0
     with pytest.raises(ConfigError, match=r"workload.options.width: unknown"):
         build_model(load_config(EXAMPLES / "mlp_teacher.toml", ["workload.options.width=3"]))
+
+
+def test_init_weights_warm_start_the_model_and_bad_files_name_the_key(tmp_path: Path) -> None:
+    cfg = load_config(None, ["model.n_layer=1"])
+    trained = build_model(cfg)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(1.0)
+    torch.save(trained.state_dict(), tmp_path / "plain.pt")
+    torch.save({"model": trained.state_dict(), "step": 600}, tmp_path / "wrapped.pt")
+    for name in ("plain.pt", "wrapped.pt"):
+        warm = build_model(load_config(None, ["model.n_layer=1", f"workload.init_weights={tmp_path / name}"]))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(warm.state_dict().values(), trained.state_dict().values(), strict=True)
+        )
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    torch.save(build_model(load_config(None, ["model.n_layer=2"])).state_dict(), tmp_path / "other.pt")
+    torch.save([1, 2], tmp_path / "list.pt")
+    for name, message in [
+        ("missing.pt", "cannot load"),
+        ("junk.pt", "cannot load"),
+        ("other.pt", "does not fit the model"),
+        ("list.pt", "not a state dict"),
+    ]:
+        with pytest.raises(BuilderError, match=f"workload.init_weights: .*{message}"):
+            build_model(load_config(None, ["model.n_layer=1", f"workload.init_weights={tmp_path / name}"]))

@@ -97,7 +97,28 @@ def build_model(cfg: RunConfig) -> nn.Module:
         raise BuilderError(
             f"workload.model: {cfg.workload.model} returned {type(model).__name__}, not an nn.Module"
         )
+    if cfg.workload.init_weights:
+        load_init_weights(model, cfg.workload.init_weights)
     return model
+
+
+def load_init_weights(model: nn.Module, path: str) -> None:
+    """Load a warm start's weights (a state dict, or a dict holding one under ``"model"``)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a missing, unreadable or foreign file: one clear message
+        raise BuilderError(f"workload.init_weights: cannot load {path!r}: {exc}") from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    if not isinstance(state, dict):
+        raise BuilderError(f"workload.init_weights: {path!r} holds {type(state).__name__}, not a state dict")
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[:3]
+        raise BuilderError(
+            f"workload.init_weights: {path!r} does not fit the model: {' '.join(first)}"
+        ) from None
 
 
 def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:

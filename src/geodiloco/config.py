@@ -167,6 +167,9 @@ class WorkloadConfig:
     optimizer: str = "geodiloco.workload.reference:build_optimizer"
     data: str = "geodiloco.workload.reference:build_data"
     options: dict[str, Any] = field(default_factory=dict)  # read by the builders; must be JSON
+    # a torch.save'd state dict (e.g. a pretrained model) loaded into the built model: θ_0 of a
+    # warm start; the same file must be on every machine of the run
+    init_weights: str = ""
 
     def __post_init__(self) -> None:
         for name in BUILDERS:
