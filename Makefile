@@ -11,7 +11,7 @@ setup: $(VENV)/.installed
 # torch is pinned first: a bare `torch` requirement would pull a multi-GB CUDA build.
 # The editable install is strict (a link tree under build/) so that mypy can follow it;
 # run `make setup` again after adding a module.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml compression/_kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install $(TORCH_PIN)
