@@ -174,9 +174,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         mean = [statistics.fmean(c[i]["eval_loss"] for c in curves) for i in range(len(tokens))]
         label = f"{r['name']} ({r['pipeline']}, {r['bits_per_param']:.2f} bits/param)"
         ax.plot(tokens, mean, label=label)
-    seeds = len(results[0]["runs"]) if results else 0
     ax.set_xlabel("tokens")
-    ax.set_ylabel(f"eval loss (mean of {seeds} seed{'s' if seeds != 1 else ''})")
+    ax.set_ylabel("eval loss (mean over the seeds each pipeline ran)")
     ax.set_title("DiLoCo, 3 sites x 2 ranks, H=25: eval loss under each codec pipeline")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
