@@ -96,6 +96,33 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *
     return 0;
 }
 
+/* The three buffers of a kernel call (bit i of `writable`: the i-th must be writable), and a
+ * block size of at least 1. On failure nothing stays held and a Python error is set. */
+static int get_arguments(PyObject *const objs[3], const char *const names[3], int writable, Py_ssize_t block,
+                         Py_buffer views[3])
+{
+    if (block < 1) {
+        PyErr_SetString(PyExc_ValueError, "block must be >= 1");
+        return -1;
+    }
+    for (int i = 0; i < 3; i++) {
+        if (get_buffer(objs[i], &views[i], writable >> i & 1, names[i]) < 0) {
+            while (i-- > 0)
+                PyBuffer_Release(&views[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Release the buffers; NULL (the kernel's error, already set) when result < 0, else the bool. */
+static PyObject *finish(Py_buffer views[3], int result)
+{
+    for (int i = 0; i < 3; i++)
+        PyBuffer_Release(&views[i]);
+    return result < 0 ? NULL : PyBool_FromLong(result);
+}
+
 PyDoc_STRVAR(quantize_q8_doc,
              "quantize_q8(x, block, steps, codes) -> bool\n\n"
              "Blockwise absmax int8 quantisation of the fp32 buffer x into steps (one fp32 per\n"
@@ -104,48 +131,26 @@ PyDoc_STRVAR(quantize_q8_doc,
 
 static PyObject *quantize_q8(PyObject *self, PyObject *args)
 {
-    PyObject *x_obj, *steps_obj, *codes_obj;
+    PyObject *objs[3];
     Py_ssize_t block;
-    Py_buffer x, steps, codes;
-    if (!PyArg_ParseTuple(args, "OnOO", &x_obj, &block, &steps_obj, &codes_obj))
+    Py_buffer views[3]; /* x, steps, codes */
+    if (!PyArg_ParseTuple(args, "OnOO", &objs[0], &block, &objs[1], &objs[2]))
         return NULL;
-    if (block < 1) {
-        PyErr_SetString(PyExc_ValueError, "block must be >= 1");
+    if (get_arguments(objs, (const char *const[]){"x", "steps", "codes"}, 0x6, block, views) < 0)
         return NULL;
-    }
-    if (get_buffer(x_obj, &x, 0, "x") < 0)
-        return NULL;
-    if (get_buffer(steps_obj, &steps, 1, "steps") < 0) {
-        PyBuffer_Release(&x);
-        return NULL;
-    }
-    if (get_buffer(codes_obj, &codes, 1, "codes") < 0) {
-        PyBuffer_Release(&x);
-        PyBuffer_Release(&steps);
-        return NULL;
-    }
-    Py_ssize_t numel = x.len / (Py_ssize_t)sizeof(float);
+    Py_ssize_t numel = views[0].len / (Py_ssize_t)sizeof(float);
     Py_ssize_t nblocks = (numel + block - 1) / block;
-    int finite = 1;
-    if (x.len % (Py_ssize_t)sizeof(float) || codes.len != numel ||
-        steps.len != nblocks * (Py_ssize_t)sizeof(float)) {
+    if (views[0].len % (Py_ssize_t)sizeof(float) || views[2].len != numel ||
+        views[1].len != nblocks * (Py_ssize_t)sizeof(float)) {
         PyErr_SetString(PyExc_ValueError, "quantize_q8: buffer sizes do not match");
-        finite = -1;
+        return finish(views, -1);
     }
-    else {
-        const float *src = (const float *)x.buf;
-        float *step = (float *)steps.buf;
-        int8_t *dst = (int8_t *)codes.buf;
-        Py_BEGIN_ALLOW_THREADS
-        finite = quantize_blocks(src, numel, block, step, dst);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&steps);
-    PyBuffer_Release(&codes);
-    if (finite < 0)
-        return NULL;
-    return PyBool_FromLong(finite);
+    int finite;
+    Py_BEGIN_ALLOW_THREADS
+    finite = quantize_blocks((const float *)views[0].buf, numel, block, (float *)views[1].buf,
+                             (int8_t *)views[2].buf);
+    Py_END_ALLOW_THREADS
+    return finish(views, finite);
 }
 
 PyDoc_STRVAR(dequantize_q8_doc,
@@ -155,45 +160,25 @@ PyDoc_STRVAR(dequantize_q8_doc,
 
 static PyObject *dequantize_q8(PyObject *self, PyObject *args)
 {
-    PyObject *steps_obj, *codes_obj, *out_obj;
+    PyObject *objs[3];
     Py_ssize_t block;
-    Py_buffer steps, codes, out;
-    if (!PyArg_ParseTuple(args, "OOnO", &steps_obj, &codes_obj, &block, &out_obj))
+    Py_buffer views[3]; /* steps, codes, out */
+    if (!PyArg_ParseTuple(args, "OOnO", &objs[0], &objs[1], &block, &objs[2]))
         return NULL;
-    if (block < 1) {
-        PyErr_SetString(PyExc_ValueError, "block must be >= 1");
+    if (get_arguments(objs, (const char *const[]){"steps", "codes", "out"}, 0x4, block, views) < 0)
         return NULL;
-    }
-    if (get_buffer(steps_obj, &steps, 0, "steps") < 0)
-        return NULL;
-    if (get_buffer(codes_obj, &codes, 0, "codes") < 0) {
-        PyBuffer_Release(&steps);
-        return NULL;
-    }
-    if (get_buffer(out_obj, &out, 1, "out") < 0) {
-        PyBuffer_Release(&steps);
-        PyBuffer_Release(&codes);
-        return NULL;
-    }
-    Py_ssize_t numel = codes.len;
-    int valid = 1;
-    if (out.len != numel * (Py_ssize_t)sizeof(float) ||
-        steps.len != (numel + block - 1) / block * (Py_ssize_t)sizeof(float)) {
+    Py_ssize_t numel = views[1].len;
+    if (views[2].len != numel * (Py_ssize_t)sizeof(float) ||
+        views[0].len != (numel + block - 1) / block * (Py_ssize_t)sizeof(float)) {
         PyErr_SetString(PyExc_ValueError, "dequantize_q8: buffer sizes do not match");
-        valid = -1;
+        return finish(views, -1);
     }
-    else {
-        Py_BEGIN_ALLOW_THREADS
-        valid = dequantize_blocks((const float *)steps.buf, (const int8_t *)codes.buf, numel, block,
-                                  (float *)out.buf);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&steps);
-    PyBuffer_Release(&codes);
-    PyBuffer_Release(&out);
-    if (valid < 0)
-        return NULL;
-    return PyBool_FromLong(valid);
+    int valid;
+    Py_BEGIN_ALLOW_THREADS
+    valid = dequantize_blocks((const float *)views[0].buf, (const int8_t *)views[1].buf, numel, block,
+                              (float *)views[2].buf);
+    Py_END_ALLOW_THREADS
+    return finish(views, valid);
 }
 
 static PyMethodDef methods[] = {
