@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from geodiloco.compression import decode_chunks_into, encode_chunks, parse_pipeline
+from geodiloco.compression import Place, decode_chunks_into, encode_chunks, parse_pipeline
 from geodiloco.compression.envelope import HEADER_SIZE
 from geodiloco.demo import DemoOptions, demo_config
 from geodiloco.params import flatten_parameters
@@ -72,6 +72,8 @@ PIPELINES = [
     "topk:0.2|q2",
     "topk:0.1:256|q2",
     "topk:0.05|q2|zstd:3",
+    "cyclic:0.4|q2",
+    "cyclic:0.4|q2|zstd:3",
 ]
 LARGE_PIPELINES = ["q8", "q8|zstd:1", "q8|zstd:3"]
 CHUNK = 1 << 20
@@ -147,12 +149,13 @@ def cosine(x: torch.Tensor, y: torch.Tensor) -> float:
 def measure(spec: str, tensor: str, x: torch.Tensor, sealed: str, repeats: int) -> Row:
     pipeline = parse_pipeline(spec)
     wrap, unwrap = WRAPPERS[sealed]
-    frame = pipeline.encode(x)
+    place = Place.span(0, 0, x.numel())  # the round-0 chunk at the vector's start (cyclic needs one)
+    frame = pipeline.encode(x, place)
     payload = wrap(frame)
-    y = pipeline.decode(unwrap(payload), x.numel())
+    y = pipeline.decode(unwrap(payload), x.numel(), place)
     mb = 4 * x.numel() / 1e6
-    enc = best_seconds(lambda: wrap(pipeline.encode(x)), repeats)
-    dec = best_seconds(lambda: pipeline.decode(unwrap(payload), x.numel()), repeats)
+    enc = best_seconds(lambda: wrap(pipeline.encode(x, place)), repeats)
+    dec = best_seconds(lambda: pipeline.decode(unwrap(payload), x.numel(), place), repeats)
     return Row(
         name=spec,
         tensor=tensor,
@@ -162,7 +165,7 @@ def measure(spec: str, tensor: str, x: torch.Tensor, sealed: str, repeats: int) 
         cosine=cosine(x, y),
         encode_MBps=mb / enc,
         decode_MBps=mb / dec,
-        entropy_gain=(HEADER_SIZE + pipeline.raw_size(x.numel())) / len(frame),
+        entropy_gain=(HEADER_SIZE + pipeline.raw_size(x.numel(), place)) / len(frame),
     )
 
 
@@ -172,7 +175,12 @@ def measure_chunked(spec: str, tensor: str, x: torch.Tensor, sealed: str, repeat
     chunks, y = encode_chunks(pipeline, x, CHUNK)
     out = torch.empty_like(x)
     mb = 4 * x.numel() / 1e6
-    enc = best_seconds(lambda: [pipeline.encode(x[c.start : c.start + c.numel]) for c in chunks], repeats)
+    enc = best_seconds(
+        lambda: [
+            pipeline.encode(x[c.start : c.start + c.numel], Place.span(0, c.start, c.numel)) for c in chunks
+        ],
+        repeats,
+    )
     dec = best_seconds(lambda: decode_chunks_into(pipeline, chunks, out), repeats)
     return Row(
         name=spec,
@@ -183,7 +191,9 @@ def measure_chunked(spec: str, tensor: str, x: torch.Tensor, sealed: str, repeat
         cosine=cosine(x, y),
         encode_MBps=mb / enc,
         decode_MBps=mb / dec,
-        entropy_gain=sum(HEADER_SIZE + pipeline.raw_size(c.numel) for c in chunks)
+        entropy_gain=sum(
+            HEADER_SIZE + pipeline.raw_size(c.numel, Place.span(0, c.start, c.numel)) for c in chunks
+        )
         / sum(len(c.payload) for c in chunks),
     )
 

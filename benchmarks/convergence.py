@@ -68,10 +68,14 @@ def run_one(name: str, spec: str, settings: list[str], seed: int, run_dir: Path)
     print(f"== {name}: {cfg.compression.uplink} up, {cfg.compression.downlink} down, seed {seed}", flush=True)
     result = run_diloco(cfg, opts, run_dir)
     per_round = [p["tokens"] // (p["round"] + 1) for p in result["curve"]]
+    per_direction = cfg.rounds * len(cfg.sites) * num_parameters(build_model(cfg.model, cfg.seed)) / 8
     return {
         "seed": seed,
         "final_eval_loss": result["final_eval_loss"],
         "wan_bytes": result["wan_bytes"],
+        # every message each way (protobuf, sealing, heartbeats included) per parameter per site-round
+        "wire_bits_up": result["wan_bytes_up"] / per_direction,
+        "wire_bits_down": result["wan_bytes_down"] / per_direction,
         "tokens": result["tokens"],
         "short_rounds": sum(t < max(per_round) for t in per_round),
         "hashes_agree": result["hashes_agree"],
@@ -116,9 +120,17 @@ def summarise(name: str, spec: str, runs: list[dict[str, Any]], params: int, chu
         "final_eval_loss": statistics.fmean(losses),
         "final_eval_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
         "wan_bytes": statistics.fmean(r["wan_bytes"] for r in runs),
+        "wire_bits_up": _mean_of(runs, "wire_bits_up"),
+        "wire_bits_down": _mean_of(runs, "wire_bits_down"),
         "seeds": [r["seed"] for r in runs],
         "runs": runs,
     }
+
+
+def _mean_of(runs: list[dict[str, Any]], key: str) -> float | None:
+    """The mean of ``key`` over the runs that have it (runs of older versions of this script do not)."""
+    values = [r[key] for r in runs if key in r]
+    return statistics.fmean(values) if values else None
 
 
 def summarise_all(
@@ -144,8 +156,8 @@ def table(results: list[dict[str, Any]]) -> str:
     none = next((r for r in results if r["name"] == "none"), None)
     lines = [
         "| name | pipeline | bits/param | final eval loss (mean ± std) | vs none, per seed | mean "
-        "| WAN bytes |",
-        "|---|---|---|---|---|---|---|",
+        "| WAN bytes | wire bits/param up / down |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         deltas = paired_deltas(r, none)
@@ -156,9 +168,14 @@ def table(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['name']} | `{r['pipeline']}` | {r['bits_per_param']:.3f} | "
             f"{r['final_eval_loss']:.4f} ± {r['final_eval_loss_std']:.4f}{flag} | {per_seed} | {mean} | "
-            f"{r['wan_bytes'] / 1e6:.1f} MB |"
+            f"{r['wan_bytes'] / 1e6:.1f} MB | "
+            f"{_bits(r.get('wire_bits_up'))} / {_bits(r.get('wire_bits_down'))} |"
         )
     return "\n".join(lines)
+
+
+def _bits(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:

@@ -5,6 +5,7 @@ one value codec, an optional entropy stage; every chunk is framed with a length,
 checksum. See :mod:`.pipeline`.
 """
 
+from geodiloco.compression.cyclic import Place
 from geodiloco.compression.error_feedback import ErrorFeedback
 from geodiloco.compression.errors import CodecError
 from geodiloco.compression.frames import EncodedChunk, decode_chunks_into, encode_chunks
@@ -15,6 +16,7 @@ __all__ = [
     "EncodedChunk",
     "ErrorFeedback",
     "Pipeline",
+    "Place",
     "decode_chunks_into",
     "encode_chunks",
     "known_stages",

@@ -6,14 +6,23 @@ import torch
 
 
 class ErrorFeedback:
-    """Holds the residual of one sender for one flat tensor."""
+    """Holds the residual of one sender for one flat tensor.
 
-    def __init__(self, numel: int) -> None:
+    ``decay`` < 1 shrinks the residual each round before it rides along (1: keep all of it,
+    0: no error feedback). In DiLoCo a dropped coordinate's pseudo-gradients pile up while the
+    replicas have not moved it, each computed from the same stale point, so sending their whole
+    sum can overshoot; decay bounds what piles up to ``1 / (1 - decay)`` rounds' worth.
+    """
+
+    def __init__(self, numel: int, decay: float = 1.0) -> None:
         self.residual = torch.zeros(numel, dtype=torch.float32)
+        self.decay = decay
 
     def compensate(self, value: torch.Tensor) -> torch.Tensor:
-        """The value to send this time: the new value plus what earlier sends dropped."""
-        return value + self.residual
+        """The value to send this time: the new value plus (decayed) what earlier sends dropped."""
+        return (
+            value + self.residual if self.decay == 1.0 else torch.add(value, self.residual, alpha=self.decay)
+        )
 
     def record(self, sent: torch.Tensor, decoded: torch.Tensor) -> None:
         """Keep what the receiver did not get."""

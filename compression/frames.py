@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from geodiloco.compression.cyclic import Place
 from geodiloco.compression.errors import CodecError
 from geodiloco.compression.pipeline import Pipeline
 
@@ -28,27 +29,32 @@ def chunk_ranges(numel: int, chunk_elements: int) -> Iterator[tuple[int, int]]:
 
 
 def encode_chunks(
-    pipeline: Pipeline, flat: torch.Tensor, chunk_elements: int
+    pipeline: Pipeline, flat: torch.Tensor, chunk_elements: int, *, round_: int = 0
 ) -> tuple[list[EncodedChunk], torch.Tensor]:
-    """Encode ``flat`` chunk by chunk; also return what every receiver will decode."""
+    """Encode the canonical vector ``flat`` of round ``round_`` chunk by chunk; also return what
+    every receiver will decode."""
     chunks: list[EncodedChunk] = []
     decoded = torch.empty_like(flat)
     for start, numel in chunk_ranges(flat.numel(), chunk_elements):
-        payload, back = pipeline.roundtrip(flat[start : start + numel])
+        payload, back = pipeline.roundtrip(flat[start : start + numel], Place.span(round_, start, numel))
         decoded[start : start + numel] = back
         chunks.append(EncodedChunk(start, numel, payload))
     return chunks, decoded
 
 
-def decode_chunks_into(pipeline: Pipeline, chunks: Iterable[EncodedChunk], out: torch.Tensor) -> None:
-    """Decode chunks into ``out``; the ranges must tile it exactly, in order."""
+def decode_chunks_into(
+    pipeline: Pipeline, chunks: Iterable[EncodedChunk], out: torch.Tensor, *, round_: int = 0
+) -> None:
+    """Decode the chunks of round ``round_`` into the canonical vector ``out``; their ranges must
+    tile it exactly, in order."""
     expected_start = 0
     for chunk in chunks:
         if chunk.start != expected_start:
             raise CodecError(f"chunk starts at {chunk.start}, expected {expected_start}")
         if chunk.numel <= 0 or chunk.start + chunk.numel > out.numel():
             raise CodecError(f"chunk range [{chunk.start}, +{chunk.numel}) is outside the tensor")
-        out[chunk.start : chunk.start + chunk.numel] = pipeline.decode(chunk.payload, chunk.numel)
+        place = Place.span(round_, chunk.start, chunk.numel)
+        out[chunk.start : chunk.start + chunk.numel] = pipeline.decode(chunk.payload, chunk.numel, place)
         expected_start += chunk.numel
     if expected_start != out.numel():
         raise CodecError(f"chunks cover {expected_start} of {out.numel()} elements")

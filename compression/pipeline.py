@@ -2,7 +2,9 @@
 
 Examples: ``"q8|zstd:1"`` (int8, 128-element blocks, then zstd), ``"q4:64"``, ``"fp4"``,
 ``"topk:0.05|q2|zstd:3"`` (keep 5%, their values at 2 bits, indices Elias-Fano coded),
-``"fp32|zstd:1"`` (lossless). After ``topk`` the value codec may be omitted (fp32).
+``"cyclic:0.4|q2"`` (the 40% of elements whose turn it is this round, no indices; encoding and
+decoding need the chunk's :class:`~.cyclic.Place`), ``"fp32|zstd:1"`` (lossless). After a
+sparsifier the value codec may be omitted (fp32).
 
 Every encoded chunk is framed (:mod:`.envelope`); the raw size before entropy coding depends
 only on the element count, which bounds what a decoder ever allocates.
@@ -16,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from geodiloco.compression import envelope, indices
-from geodiloco.compression.base import ValueCodec
+from geodiloco.compression.base import ValueCodec, require_finite
 from geodiloco.compression.casts import Bf16, Fp16, Fp32
+from geodiloco.compression.cyclic import Cyclic, Place
 from geodiloco.compression.entropy import Zstd
 from geodiloco.compression.errors import CodecError
 from geodiloco.compression.levels import LevelQuantizer, e2m1_levels, normal_float_levels
@@ -79,6 +82,13 @@ def _topk(a: StageArgs) -> TopK:
     return TopK(fraction=float(a.positional[0]), block=a.int_at(1, 0))
 
 
+def _cyclic(a: StageArgs) -> Cyclic:
+    a.only(1)
+    if not a.positional:
+        raise CodecError("cyclic needs a fraction, e.g. cyclic:0.4")
+    return Cyclic(fraction=float(a.positional[0]))
+
+
 def _zstd(a: StageArgs) -> Zstd:
     a.only(1)
     return Zstd(level=a.int_at(0, 3))
@@ -94,7 +104,7 @@ VALUE_CODECS: dict[str, Callable[[StageArgs], ValueCodec]] = {
     "fp4": _levels("fp4", e2m1_levels()),
     "nf4": _levels("nf4", normal_float_levels()),
 }
-SPARSIFIERS: dict[str, Callable[[StageArgs], TopK]] = {"topk": _topk}
+SPARSIFIERS: dict[str, Callable[[StageArgs], TopK | Cyclic]] = {"topk": _topk, "cyclic": _cyclic}
 BYTE_STAGES: dict[str, Callable[[StageArgs], Zstd]] = {"zstd": _zstd}
 
 
@@ -111,11 +121,15 @@ def _known() -> str:
 
 @dataclass(frozen=True, slots=True)
 class Pipeline:
-    """Optional sparsifier, one value codec, optional entropy stage, inside a checked frame."""
+    """Optional sparsifier, one value codec, optional entropy stage, inside a checked frame.
+
+    ``place`` (the chunk's round and canonical elements) matters only to a ``cyclic``
+    sparsifier, which needs it on both sides; other pipelines ignore it.
+    """
 
     spec: str
     values: ValueCodec
-    sparsifier: TopK | None = None
+    sparsifier: TopK | Cyclic | None = None
     entropy: Zstd | None = None
     tag: int = field(init=False)
 
@@ -127,32 +141,53 @@ class Pipeline:
         stages = [self.sparsifier, self.values, self.entropy]
         return "|".join(s.spec for s in stages if s is not None)
 
-    def raw_size(self, numel: int) -> int:
-        """Bytes before entropy coding, a function of ``numel`` only."""
+    def raw_size(self, numel: int, place: Place | None = None) -> int:
+        """Bytes before entropy coding: a function of ``numel`` (and, for ``cyclic``, of the place;
+        without one, of the expected count)."""
         if self.sparsifier is None:
             return self.values.encoded_size(numel)
+        if isinstance(self.sparsifier, Cyclic):
+            k = (
+                self.sparsifier.nominal_count(numel)
+                if place is None
+                else self.sparsifier.select(place, numel).numel()
+            )
+            return self.sparsifier.prefix_size + self.values.encoded_size(k)
         return self.sparsifier.index_size(numel) + self.values.encoded_size(self.sparsifier.count(numel))
 
     def bits_per_param(self, numel: int) -> float:
         """Bits per parameter of a frame before entropy coding (zstd only ever shrinks it)."""
         return 8.0 * (envelope.HEADER_SIZE + self.raw_size(numel)) / max(numel, 1)
 
-    def encode(self, x: torch.Tensor) -> bytes:
+    def encode(self, x: torch.Tensor, place: Place | None = None) -> bytes:
         x = x.detach().reshape(-1).to(torch.float32)
+        prefix = b""
         if self.sparsifier is None:
             raw = self.values.encode(x)
+        elif isinstance(self.sparsifier, Cyclic):
+            require_finite(x)  # dropped elements too: they ride the error feedback
+            kept = self.sparsifier.select(place, x.numel())
+            assert place is not None
+            prefix = self.sparsifier.prefix(place)
+            raw = self.values.encode(x[kept])
         else:
             kept = self.sparsifier.select(x)
             raw = torch.cat([indices.encode(kept, x.numel()), self.values.encode(x[kept])])
         body: bytes | memoryview = raw.numpy().data.cast("B")
         if self.entropy is not None:
             body = self.entropy.encode(body)
-        return envelope.seal(self.tag, x.numel(), body)
+        return envelope.seal(self.tag, x.numel(), prefix + body if prefix else body)
 
-    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+    def decode(self, data: bytes, numel: int, place: Place | None = None) -> torch.Tensor:
         """The fp32 tensor of ``numel`` elements in ``data``; CodecError on any inconsistency."""
         body = envelope.open_frame(data, self.tag, numel, self.spec)
-        size = self.raw_size(numel)
+        kept: torch.Tensor | None = None
+        if isinstance(self.sparsifier, Cyclic):
+            body = self.sparsifier.check_prefix(body, place)
+            kept = self.sparsifier.select(place, numel)
+            size = self.values.encoded_size(kept.numel())
+        else:
+            size = self.raw_size(numel)
         if self.entropy is not None:
             body = memoryview(self.entropy.decode(body, size))
         elif len(body) != size:
@@ -164,24 +199,29 @@ class Pipeline:
         )
         if self.sparsifier is None:
             return self.values.decode(raw, numel)
-        k = self.sparsifier.count(numel)
-        split = self.sparsifier.index_size(numel)
-        kept = indices.decode(raw[:split], numel, k)
+        if kept is None:
+            assert isinstance(self.sparsifier, TopK)
+            split = self.sparsifier.index_size(numel)
+            kept = indices.decode(raw[:split], numel, self.sparsifier.count(numel))
+            raw = raw[split:]
         out = torch.zeros(numel, dtype=torch.float32)
-        out[kept] = self.values.decode(raw[split:], k)
+        out[kept] = self.values.decode(raw, kept.numel())
         return out
 
-    def roundtrip(self, x: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+    def roundtrip(self, x: torch.Tensor, place: Place | None = None) -> tuple[bytes, torch.Tensor]:
         """Encode, and the exact tensor every receiver will decode from those bytes."""
-        data = self.encode(x)
-        return data, self.decode(data, x.numel())
+        data = self.encode(x, place)
+        return data, self.decode(data, x.numel(), place)
 
-    def error_bound(self, x: torch.Tensor) -> torch.Tensor:
+    def error_bound(self, x: torch.Tensor, place: Place | None = None) -> torch.Tensor:
         """Per-element bound on ``|x - roundtrip(x)|``: dropped elements are off by their size."""
         x = x.detach().reshape(-1).to(torch.float32)
         if self.sparsifier is None:
             return self.values.error_bound(x)
-        kept = self.sparsifier.select(x)
+        if isinstance(self.sparsifier, Cyclic):
+            kept = self.sparsifier.select(place, x.numel())
+        else:
+            kept = self.sparsifier.select(x)
         bound = x.abs()
         bound[kept] = self.values.error_bound(x[kept])
         return bound

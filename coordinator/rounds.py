@@ -134,7 +134,7 @@ class RoundController:
         self.uplink = parse_pipeline(cfg.compression.uplink)
         self.downlink = parse_pipeline(cfg.compression.downlink)
         self.full_state_codec = parse_pipeline(FULL_STATE_CODEC)
-        self.downlink_feedback = ErrorFeedback(self.num_params)
+        self.downlink_feedback = ErrorFeedback(self.num_params, cfg.compression.feedback_decay)
         self.sites = {name: SiteRecord(name, i) for i, name in enumerate(cfg.sites)}
         self.mean = WeightedMean(self.num_params)
         self.updates: dict[int, CommittedUpdate] = {}
@@ -328,7 +328,7 @@ class RoundController:
         """Close the round: compute, make it durable, and only then publish it."""
         r, mean = self.round, self.mean
         started = time.monotonic()
-        chunks, decoded = await asyncio.to_thread(self._compute_update, mean.mean())
+        chunks, decoded = await asyncio.to_thread(self._compute_update, r, mean.mean())
         self.theta.add_(decoded)
         self.theta_norm = float(self.theta.norm())
         digest = state_hash(self.theta)
@@ -370,11 +370,15 @@ class RoundController:
         )
         await self._notify()
 
-    def _compute_update(self, avg_delta: torch.Tensor) -> tuple[list[EncodedChunk], torch.Tensor]:
-        """The compressed change and its decoded value, which every replica applies."""
+    def _compute_update(
+        self, round_: int, avg_delta: torch.Tensor
+    ) -> tuple[list[EncodedChunk], torch.Tensor]:
+        """The compressed change closing ``round_`` and its decoded value, which every replica applies."""
         proposed = self.optimizer.step(avg_delta)
         to_send = self.downlink_feedback.compensate(proposed)
-        chunks, decoded = encode_chunks(self.downlink, to_send, self.cfg.compression.chunk_elements)
+        chunks, decoded = encode_chunks(
+            self.downlink, to_send, self.cfg.compression.chunk_elements, round_=round_
+        )
         self.downlink_feedback.record(to_send, decoded)
         return chunks, decoded
 

@@ -19,7 +19,7 @@ import grpc
 from google.protobuf.message import Message
 
 from geodiloco import __version__
-from geodiloco.compression import CodecError, EncodedChunk
+from geodiloco.compression import CodecError, EncodedChunk, Place
 from geodiloco.coordinator.assembly import MAX_PARTS, Assembly, check_segment
 from geodiloco.coordinator.errors import (
     CoordinatorError,
@@ -229,7 +229,9 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 if assembly is not None:
                     out = assembly.claim(first.part, segment)
                     payload = opened if opened is not None else self._open(chunk)
-                    values = await asyncio.to_thread(self.c.uplink.decode, payload, h.numel)
+                    values = await asyncio.to_thread(
+                        self.c.uplink.decode, payload, h.numel, Place(h.round, segment)
+                    )
                     out.copy_(values.view(out.shape))
                 index += 1
             if first is None:

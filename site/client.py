@@ -99,6 +99,7 @@ class PulledPart:
     codec: str
     total_chunks: int
     chunks: dict[int, EncodedChunk]  # by sequence number
+    round: int  # the round the update closes, or the round of the full state
     next_round: int
     state_hash: str
     finished: bool
@@ -377,6 +378,7 @@ class OuterSyncClient:
                 codec=last.header.codec,
                 total_chunks=last.total_chunks,
                 chunks=chunks,
+                round=last.header.round,
                 next_round=last.next_round,
                 state_hash=last.state_hash,
                 finished=last.finished,
@@ -418,7 +420,8 @@ def decode_whole(part: PulledPart, num_params: int) -> torch.Tensor:
     if len(part.chunks) != part.total_chunks:
         raise CodecError(f"have {len(part.chunks)} of the stream's {part.total_chunks} chunks")
     out = torch.empty(num_params, dtype=torch.float32)
-    decode_chunks_into(parse_pipeline(part.codec), (part.chunks[s] for s in sorted(part.chunks)), out)
+    chunks = (part.chunks[s] for s in sorted(part.chunks))
+    decode_chunks_into(parse_pipeline(part.codec), chunks, out, round_=part.round)
     return out
 
 

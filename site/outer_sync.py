@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from geodiloco.compression import EncodedChunk, ErrorFeedback, parse_pipeline
+from geodiloco.compression import EncodedChunk, ErrorFeedback, Place, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.params import HASH_BLOCK, Checksum
 from geodiloco.security.tls import TlsFiles
@@ -216,7 +216,7 @@ class OuterSync:
             )
         owners = self.group.gather(self.shards.owned_numel > 0)
         self.part, self.parts = sum(owners[: self.group.rank]), sum(owners)
-        self.feedback = ErrorFeedback(self.shards.owned_numel)
+        self.feedback = ErrorFeedback(self.shards.owned_numel, self.config.compression.feedback_decay)
         self.snapshot = self.shards.clone_locals()
         if self.digest() != self.info.state_hash:
             self.reload_global_state()
@@ -293,7 +293,7 @@ class OuterSync:
         chunks = []
         for offset, segment in self.shards.wire_segments(self.config.compression.chunk_elements):
             values = to_send[offset : offset + segment.numel]
-            payload, back = self.uplink.roundtrip(values)
+            payload, back = self.uplink.roundtrip(values, Place(self.round, segment))
             decoded[offset : offset + segment.numel] = back
             chunks.append(WireChunk(segment, payload))
         self.feedback.record(to_send, decoded)
@@ -428,7 +428,9 @@ class OuterSync:
             chunk = self.group.share_chunk(pulled.chunks.get(seq) if self.group.rank == src else None, src)
             if not self.shards.holds(chunk.start, chunk.numel):
                 continue
-            values = codec.decode(chunk.payload, chunk.numel)
+            values = codec.decode(
+                chunk.payload, chunk.numel, Place.span(pulled.round, chunk.start, chunk.numel)
+            )
             written += self.shards.scatter_range(
                 chunk.start, values, self.snapshot, add=not pulled.is_full_state
             )

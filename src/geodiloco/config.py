@@ -114,11 +114,12 @@ class OuterConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CompressionConfig:
-    """Codec pipelines per direction, and the chunk size of streamed payloads."""
+    """Codec pipelines per direction, error-feedback decay, and the chunk size of streamed payloads."""
 
     uplink: str = "q8|zstd:3"
     downlink: str = "q8|zstd:3"
     chunk_elements: int = 1 << 20
+    feedback_decay: float = 1.0  # residual kept per round by every sender; 0 turns error feedback off
 
     def __post_init__(self) -> None:
         for name in ("uplink", "downlink"):
@@ -130,6 +131,11 @@ class CompressionConfig:
             0 < self.chunk_elements <= 1 << 21,
             "compression.chunk_elements",
             f"must be in [1, {1 << 21}] (chunks stay a few MiB), got {self.chunk_elements}",
+        )
+        _require(
+            0 <= self.feedback_decay <= 1,
+            "compression.feedback_decay",
+            f"must be in [0, 1], got {self.feedback_decay}",
         )
 
 

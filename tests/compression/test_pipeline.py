@@ -4,7 +4,7 @@ from codec_strategies import tensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from geodiloco.compression import CodecError, known_stages, parse_pipeline
+from geodiloco.compression import CodecError, Place, known_stages, parse_pipeline
 from geodiloco.compression.casts import FP16_MAX
 
 LOSSY = [
@@ -21,23 +21,33 @@ LOSSY = [
     "topk:0.05|q2|zstd:3",
     "topk:0.1:256|q4",
     "topk:0.02",
+    "cyclic:0.4|q2|zstd:1",
+    "cyclic:0.1",
 ]
 
 
 @settings(max_examples=40, deadline=None)
-@given(spec=st.sampled_from(["fp32|zstd:1", *LOSSY]), x=tensors())
-def test_roundtrip_is_within_the_stated_bound_and_deterministic(spec: str, x: torch.Tensor) -> None:
+@given(
+    spec=st.sampled_from(["fp32|zstd:1", *LOSSY]),
+    x=tensors(),
+    round_=st.integers(0, 2**40),
+    start=st.integers(0, 2**40),
+)
+def test_roundtrip_is_within_the_stated_bound_and_deterministic(
+    spec: str, x: torch.Tensor, round_: int, start: int
+) -> None:
     pipeline = parse_pipeline(spec)
+    place = Place.span(round_, start, x.numel())  # only cyclic uses it
     if spec == "fp16" and x.numel() and float(x.abs().max()) > FP16_MAX:
         with pytest.raises(CodecError, match="fp16 range"):
             pipeline.encode(x)
         return
-    data, y = pipeline.roundtrip(x)
+    data, y = pipeline.roundtrip(x, place)
     assert y.shape == x.shape and y.dtype == torch.float32
-    assert bool(((x - y).abs() <= pipeline.error_bound(x)).all())
-    assert pipeline.encode(x.clone()) == data  # same input, same bytes
-    assert torch.equal(pipeline.decode(data, x.numel()), y)  # what roundtrip returns is what receivers get
-    assert 8 * len(data) <= 8 * 64 + pipeline.bits_per_param(x.numel()) * max(x.numel(), 1)
+    assert bool(((x - y).abs() <= pipeline.error_bound(x, place)).all())
+    assert pipeline.encode(x.clone(), place) == data  # same input, same bytes
+    assert torch.equal(pipeline.decode(data, x.numel(), place), y)  # what receivers get
+    assert 8 * len(data) <= 8 * 64 + 8 * pipeline.raw_size(x.numel(), place) + 8 * 16
 
 
 def test_canonical_spec_fills_in_defaults() -> None:
@@ -50,7 +60,7 @@ def test_canonical_spec_fills_in_defaults() -> None:
     ("spec", "message"),
     [
         ("q3|zstd", "unknown codec stage 'q3'.*known: fp32, fp16, bf16, q8, q4, q2, fp4, nf4"),
-        ("q8|gzip", "unknown codec stage 'gzip'.*topk \\(sparsifier, first\\); zstd"),
+        ("q8|gzip", "unknown codec stage 'gzip'.*topk, cyclic \\(sparsifier, first\\); zstd"),
         ("", "empty codec pipeline"),
         ("zstd", "no value codec"),
         ("q8|q4", "must be \\[sparsifier \\|\\] value codec"),
@@ -61,6 +71,9 @@ def test_canonical_spec_fills_in_defaults() -> None:
         ("q8:64:rounding=up", "unknown option"),
         ("topk", "needs a fraction"),
         ("topk:1.5|q2", "fraction must be in"),
+        ("cyclic|q2", "cyclic needs a fraction"),
+        ("cyclic:0|q2", "fraction must be in"),
+        ("cyclic:0.4:0.5|q2", "at most 1 positional"),
         ("q8|zstd:99", "zstd level"),
     ],
 )

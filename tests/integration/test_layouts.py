@@ -1,7 +1,9 @@
 """Three sites with three parallel layouts (DDP, FSDP2, tensor parallel) train one model.
 
 Each rank pushes only the elements it owns and pulls its share of the update's chunks; the
-replicas still agree bit for bit every round, hashed over the canonical parameters.
+replicas still agree bit for bit every round, hashed over the canonical parameters. The cyclic
+sparsifier runs too: its kept set must come out the same from a tensor-parallel rank's strided
+column shard, an FSDP2 rank's rows and the coordinator's contiguous chunks, or decoding fails.
 """
 
 from __future__ import annotations
@@ -18,9 +20,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LAYOUTS = {"site-ddp": "ddp", "site-fsdp": "fsdp", "site-tp": "tp"}
 
 
-def test_sites_with_different_meshes_agree_every_round(tmp_path: Path) -> None:
+@pytest.mark.parametrize("codec", ["q8|zstd:3", "cyclic:0.4|q2|zstd:1"])
+def test_sites_with_different_meshes_agree_every_round(tmp_path: Path, codec: str) -> None:
     # small chunks, so that chunks straddle shard boundaries and every rank pulls several
-    cfg = tiny_config(rounds=3, sites=list(LAYOUTS), compression__chunk_elements=700)
+    cfg = tiny_config(
+        rounds=3,
+        sites=list(LAYOUTS),
+        compression__chunk_elements=700,
+        compression__uplink=codec,
+        compression__downlink=codec,
+    )
     coordinator, target = start_coordinator_process(cfg, tmp_path)
     sites = []
     try:
