@@ -73,7 +73,7 @@ PIPELINES = [
     "topk:0.1:256|q2",
     "topk:0.05|q2|zstd:3",
     "cyclic:0.4|q2",
-    "cyclic:0.4|q2|zstd:3",
+    "cyclic:0.47|q2:256|zstd:1",
 ]
 LARGE_PIPELINES = ["q8", "q8|zstd:1", "q8|zstd:3"]
 CHUNK = 1 << 20

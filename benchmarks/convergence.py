@@ -57,6 +57,7 @@ PIPELINES = {
     "topk10%+2-bit": "topk:0.1|q2|zstd:1",
     "fp16": "fp16",  # nearly lossless: how far a tiny perturbation alone moves the final loss
     "topk10%+4-bit": "topk:0.1|q4|zstd:1",
+    "cyclic47%+2-bit": "cyclic:0.47|q2:256|zstd:1",  # <= 1 bit/param before zstd, no indices
 }
 
 
