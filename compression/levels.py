@@ -1,9 +1,12 @@
-"""4-bit level-table quantisers: E2M1 (FP4, as in Streaming DiLoCo) and normal-float levels.
+"""Level-table quantisers: E2M1 (FP4, as in Streaming DiLoCo), normal-float levels, and
+2-bit Lloyd-Max levels for a Gaussian.
 
-Each block of ``block`` elements is scaled by its absmax ``a`` and every element is rounded to
-the nearest of 16 (or 15) fixed levels in [-1, 1]; decoding is a table lookup times ``a``.
-Error <= a * (widest gap between adjacent levels) / 2. Layout: fp32 ``a`` per block, then
-4-bit codes.
+Each block of ``block`` elements is scaled by a statistic ``s`` and every element is rounded to
+the nearest of a few fixed levels; decoding is a table lookup times ``s``. With the absmax as
+``s`` the levels lie in [-1, 1] and the error is <= s * (widest gap between levels) / 2. With
+the RMS as ``s`` (``lm2``) the levels are the mean-squared-error optimum for a Gaussian, and
+an element beyond the outer level is off by its excess, which error feedback carries. Layout:
+fp32 ``s`` per block, then the packed codes.
 """
 
 from __future__ import annotations
@@ -32,13 +35,23 @@ def normal_float_levels() -> tuple[float, ...]:
     return tuple(float(v) for v in z / z.max())
 
 
+def gaussian_two_bit_levels() -> tuple[float, ...]:
+    """The 4-level Lloyd-Max quantiser of a unit Gaussian: on Gaussian data a mean squared error
+    of 0.117 of the variance, against 0.31 for ``q2``'s ±a/3, ±a on each 128-element block's
+    absmax (0.077 against 0.108 on uniform data)."""
+    return (-1.5104, -0.4528, 0.4528, 1.5104)
+
+
 @dataclass(frozen=True, slots=True)
 class LevelQuantizer:
-    """Absmax-scaled rounding to a fixed table of at most 16 levels; 4 bits + 32 per block."""
+    """Rounding to a fixed table of at most ``2**bits`` levels, per block scaled by its absmax
+    (``rms=False``) or its root mean square (``rms=True``); ``bits`` + 32 bits per block."""
 
     name: str
     levels: tuple[float, ...]
     block: int = 128
+    bits: int = 4
+    rms: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.block <= 1 << 20:
@@ -49,7 +62,20 @@ class LevelQuantizer:
         return f"{self.name}:{self.block}"
 
     def encoded_size(self, numel: int) -> int:
-        return 4 * n_blocks(numel, self.block) + packed_size(numel, 4)
+        return 4 * n_blocks(numel, self.block) + packed_size(numel, self.bits)
+
+    @property
+    def max_scale(self) -> float:
+        """The largest scale whose outer level is still a finite fp32 (with room for rounding)."""
+        if not self.rms:  # levels within [-1, 1]
+            return FP32_MAX
+        return FP32_MAX / max(abs(v) for v in self.levels) * (1 - 2**-20)
+
+    def _scales(self, xb: torch.Tensor) -> torch.Tensor:
+        if not self.rms:
+            return xb.abs().amax(dim=1)
+        rms = xb.to(torch.float64).square().mean(dim=1).sqrt()
+        return rms.clamp_(max=self.max_scale).to(torch.float32)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         numel, nb = x.numel(), n_blocks(x.numel(), self.block)
@@ -57,34 +83,39 @@ class LevelQuantizer:
         if numel == 0:
             return out
         xb = as_blocks(x, self.block)
-        absmax = xb.abs().amax(dim=1)
-        if not bool(torch.isfinite(absmax).all()):
+        if not bool(torch.isfinite(xb).all()):
             raise CodecError("tensor contains NaN or Inf")
-        out[: 4 * nb].view(torch.float32).copy_(absmax)
-        inv = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
-        y = (xb * inv[:, None]).clamp_(-1.0, 1.0).view(-1)[:numel]
+        scale = self._scales(xb)
+        out[: 4 * nb].view(torch.float32).copy_(scale)
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        y = (xb * inv[:, None]).view(-1)[:numel]
+        if not self.rms:
+            y = y.clamp(-1.0, 1.0)
         table = torch.tensor(self.levels, dtype=torch.float32)
         codes = torch.bucketize(y, (table[1:] + table[:-1]) / 2)
-        out[4 * nb :].copy_(pack_bits(codes.to(torch.uint8), 4))
+        out[4 * nb :].copy_(pack_bits(codes.to(torch.uint8), self.bits))
         return out
 
     def decode(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
         if raw.numel() != self.encoded_size(numel):
             raise CodecError(f"{self.spec}: {raw.numel()} bytes, expected {self.encoded_size(numel)}")
         nb = n_blocks(numel, self.block)
-        absmax = reinterpret(raw[: 4 * nb], torch.float32)
-        if nb and not bool(((absmax >= 0) & (absmax <= FP32_MAX)).all()):
-            raise CodecError(f"{self.spec}: a block scale is negative or not finite")
-        codes = unpack_bits(raw[4 * nb :], 4, numel).long()
+        scale = reinterpret(raw[: 4 * nb], torch.float32)
+        if nb and not bool(((scale >= 0) & (scale <= self.max_scale)).all()):
+            raise CodecError(f"{self.spec}: a block scale is negative, not finite or too large")
+        codes = unpack_bits(raw[4 * nb :], self.bits, numel).long()
         if numel and int(codes.max()) >= len(self.levels):
             raise CodecError(f"{self.spec}: a code exceeds the {len(self.levels)} levels")
         values = torch.tensor(self.levels, dtype=torch.float32)[codes]
-        return (as_blocks(values, self.block) * absmax[:, None]).view(-1)[:numel].contiguous()
+        return (as_blocks(values, self.block) * scale[:, None]).view(-1)[:numel].contiguous()
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:
             return torch.zeros(0)
         table = torch.tensor(self.levels, dtype=torch.float64)
         half_gap = float((table[1:] - table[:-1]).max()) / 2
-        absmax = as_blocks(x, self.block).abs().amax(dim=1)
-        return (absmax * half_gap * (1 + 1e-5)).repeat_interleave(self.block)[: x.numel()] + 1e-30
+        scale = self._scales(as_blocks(x, self.block)).repeat_interleave(self.block)[: x.numel()]
+        bound = scale * half_gap
+        if self.rms:  # beyond the outer level: off by the excess
+            bound = torch.maximum(bound, x.abs() - scale * float(table.abs().max()))
+        return bound * (1 + 1e-5) + 1e-30

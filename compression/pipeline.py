@@ -23,7 +23,12 @@ from geodiloco.compression.casts import Bf16, Fp16, Fp32
 from geodiloco.compression.cyclic import Cyclic, Place
 from geodiloco.compression.entropy import Zstd
 from geodiloco.compression.errors import CodecError
-from geodiloco.compression.levels import LevelQuantizer, e2m1_levels, normal_float_levels
+from geodiloco.compression.levels import (
+    LevelQuantizer,
+    e2m1_levels,
+    gaussian_two_bit_levels,
+    normal_float_levels,
+)
 from geodiloco.compression.quantize import BlockwiseAbsmax
 from geodiloco.compression.sparsify import TopK
 
@@ -59,10 +64,12 @@ def _quantizer(bits: int) -> Callable[[StageArgs], ValueCodec]:
     return build
 
 
-def _levels(name: str, levels: tuple[float, ...]) -> Callable[[StageArgs], ValueCodec]:
+def _levels(
+    name: str, levels: tuple[float, ...], bits: int = 4, rms: bool = False
+) -> Callable[[StageArgs], ValueCodec]:
     def build(a: StageArgs) -> ValueCodec:
         a.only(1)
-        return LevelQuantizer(name=name, levels=levels, block=a.int_at(0, 128))
+        return LevelQuantizer(name=name, levels=levels, block=a.int_at(0, 128), bits=bits, rms=rms)
 
     return build
 
@@ -103,6 +110,7 @@ VALUE_CODECS: dict[str, Callable[[StageArgs], ValueCodec]] = {
     "q2": _quantizer(2),
     "fp4": _levels("fp4", e2m1_levels()),
     "nf4": _levels("nf4", normal_float_levels()),
+    "lm2": _levels("lm2", gaussian_two_bit_levels(), bits=2, rms=True),
 }
 SPARSIFIERS: dict[str, Callable[[StageArgs], TopK | Cyclic]] = {"topk": _topk, "cyclic": _cyclic}
 BYTE_STAGES: dict[str, Callable[[StageArgs], Zstd]] = {"zstd": _zstd}

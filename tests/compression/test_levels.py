@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from geodiloco.compression import parse_pipeline
+from geodiloco.compression import CodecError, parse_pipeline
 from geodiloco.compression.levels import e2m1_levels, normal_float_levels
 
 
@@ -29,3 +29,28 @@ def test_nf4_beats_uniform_4_bit_on_gaussian_data() -> None:
     x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0))
     errors = {s: float((x - parse_pipeline(s).roundtrip(x)[1]).norm()) for s in ("nf4", "q4", "fp4")}
     assert errors["nf4"] < errors["q4"]
+
+
+@pytest.mark.parametrize(
+    ("make", "lm2_at_most"),
+    [(torch.randn, 0.12), (lambda n, generator: torch.rand(n, generator=generator) * 2 - 1, 0.08)],
+)
+def test_lm2_beats_absmax_two_bit_on_gaussian_and_uniform_data(make: object, lm2_at_most: float) -> None:
+    x = make(1 << 16, generator=torch.Generator().manual_seed(0))  # type: ignore[operator]
+    mse = {
+        s: float((x - parse_pipeline(s).roundtrip(x)[1]).square().mean() / x.square().mean())
+        for s in ("lm2", "q2")
+    }
+    assert mse["lm2"] < lm2_at_most < mse["q2"]
+    assert parse_pipeline("lm2").bits_per_param(1 << 20) == parse_pipeline("q2").bits_per_param(1 << 20)
+
+
+def test_lm2_never_decodes_to_inf_and_refuses_a_forged_scale() -> None:
+    pipeline = parse_pipeline("lm2:4")
+    x = torch.tensor([3e38, -3e38, 3e38, 1.0])
+    y = pipeline.roundtrip(x)[1]
+    assert bool(torch.isfinite(y).all()) and bool(((x - y).abs() <= pipeline.error_bound(x)).all())
+    raw = pipeline.values.encode(x)
+    raw[:4] = torch.tensor([3.4e38], dtype=torch.float32).view(torch.uint8)
+    with pytest.raises(CodecError, match="scale is negative, not finite or too large"):
+        pipeline.values.decode(raw, 4)

@@ -18,6 +18,8 @@ LOSSY = [
     "q2:32:sr",
     "fp4",
     "nf4:64",
+    "lm2",
+    "lm2:64|zstd:1",
     "topk:0.05|q2|zstd:3",
     "topk:0.1:256|q4",
     "topk:0.02",
