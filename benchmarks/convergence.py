@@ -186,12 +186,13 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results:
+    for i, r in enumerate(results):
         curves = [run["curve"] for run in r["runs"]]
         tokens = [p["tokens"] for p in curves[0]]
         mean = [statistics.fmean(c[i]["eval_loss"] for c in curves) for i in range(len(tokens))]
         label = f"{r['name']} ({r['pipeline']}, {r['bits_per_param']:.2f} bits/param)"
-        ax.plot(tokens, mean, label=label)
+        # ten colours, then the same colours dashed, so that no two curves look alike
+        ax.plot(tokens, mean, label=label, color=f"C{i % 10}", linestyle="-" if i < 10 else "--")
     ax.set_xlabel("tokens")
     ax.set_ylabel("eval loss (mean over the seeds each pipeline ran)")
     ax.set_title("DiLoCo, 3 sites x 2 ranks, H=25: eval loss under each codec pipeline")

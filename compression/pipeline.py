@@ -7,7 +7,8 @@ decoding need the chunk's :class:`~.cyclic.Place`), ``"fp32|zstd:1"`` (lossless)
 sparsifier the value codec may be omitted (fp32).
 
 Every encoded chunk is framed (:mod:`.envelope`); the raw size before entropy coding depends
-only on the element count, which bounds what a decoder ever allocates.
+only on the element count (for ``cyclic``, also on the chunk's place, which the receiver knows),
+which bounds what a decoder ever allocates.
 """
 
 from __future__ import annotations
