@@ -65,6 +65,9 @@ PIPELINES = [
     "q2|zstd:3",
     "q2:32",
     "q2:32:sr",
+    "q2:256",
+    "lm2",
+    "lm2:256",
     "topk:0.02|fp32",
     "topk:0.1|q4",
     "topk:0.1|q2",
@@ -72,8 +75,10 @@ PIPELINES = [
     "topk:0.2|q2",
     "topk:0.1:256|q2",
     "topk:0.05|q2|zstd:3",
+    "topk:0.14|q2|zstd:1",
     "cyclic:0.4|q2",
     "cyclic:0.47|q2:256|zstd:1",
+    "cyclic:0.5|q2|zstd:1",
 ]
 LARGE_PIPELINES = ["q8", "q8|zstd:1", "q8|zstd:3"]
 CHUNK = 1 << 20

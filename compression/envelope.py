@@ -21,7 +21,7 @@ import xxhash
 from geodiloco.compression.errors import CodecError
 
 MAGIC = b"GD"
-VERSION = 2  # 1 checked the body with CRC-32
+VERSION = 3  # 1 checked the body with CRC-32; 2 gave zstd whole int8 codes (no nibble split)
 _HEADER = struct.Struct("<2sBBIII")  # magic, version, flags (0), codec tag, element count, body checksum
 HEADER_SIZE = _HEADER.size
 MAX_ELEMENTS = (1 << 32) - 1

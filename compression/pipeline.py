@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from geodiloco.compression import envelope, indices
+from geodiloco.compression import envelope, indices, nibbles
 from geodiloco.compression.base import ValueCodec, require_finite
 from geodiloco.compression.casts import Bf16, Fp16, Fp32
 from geodiloco.compression.cyclic import Cyclic, Place
@@ -164,6 +164,16 @@ class Pipeline:
             return self.sparsifier.prefix_size + self.values.encoded_size(k)
         return self.sparsifier.index_size(numel) + self.values.encoded_size(self.sparsifier.count(numel))
 
+    @property
+    def splits_nibbles(self) -> bool:
+        """Whether zstd gets only the high nibbles of int8 codes (see :mod:`.nibbles`)."""
+        return (
+            self.entropy is not None
+            and self.sparsifier is None
+            and isinstance(self.values, BlockwiseAbsmax)
+            and self.values.bits == 8
+        )
+
     def bits_per_param(self, numel: int) -> float:
         """Bits per parameter of a frame before entropy coding (zstd only ever shrinks it)."""
         return 8.0 * (envelope.HEADER_SIZE + self.raw_size(numel)) / max(numel, 1)
@@ -183,7 +193,12 @@ class Pipeline:
             kept = self.sparsifier.select(x)
             raw = torch.cat([indices.encode(kept, x.numel()), self.values.encode(x[kept])])
         body: bytes | memoryview = raw.numpy().data.cast("B")
-        if self.entropy is not None:
+        if self.splits_nibbles:  # steps, low nibbles as they are, then zstd over the high ones
+            assert self.entropy is not None
+            head = raw.numel() - x.numel()
+            hi, lo = nibbles.split(raw[head:])
+            body = b"".join((body[:head], lo.numpy().data, self.entropy.encode(hi.numpy().data.cast("B"))))
+        elif self.entropy is not None:
             body = self.entropy.encode(body)
         return envelope.seal(self.tag, x.numel(), prefix + body if prefix else body)
 
@@ -197,6 +212,8 @@ class Pipeline:
             size = self.values.encoded_size(kept.numel())
         else:
             size = self.raw_size(numel)
+        if self.splits_nibbles:
+            return self.values.decode(self._join_nibbles(body, size, numel), numel)
         if self.entropy is not None:
             body = memoryview(self.entropy.decode(body, size))
         elif len(body) != size:
@@ -216,6 +233,20 @@ class Pipeline:
         out = torch.zeros(numel, dtype=torch.float32)
         out[kept] = self.values.decode(raw, kept.numel())
         return out
+
+    def _join_nibbles(self, body: memoryview, size: int, numel: int) -> torch.Tensor:
+        """The raw bytes of a nibble-split frame body: steps, low nibbles, zstd of the high ones."""
+        assert self.entropy is not None
+        head, half = size - numel, nibbles.half_size(numel)
+        if len(body) < head + half:
+            raise CodecError(
+                f"{self.spec}: frame body is {len(body)} bytes, shorter than its {head + half} stored"
+            )
+        raw = torch.empty(size, dtype=torch.uint8)
+        raw.numpy()[:head] = memoryview(body[:head])
+        hi = self.entropy.decode(body[head + half :], half)
+        nibbles.join(hi, body[head : head + half], raw[head:])
+        return raw
 
     def roundtrip(self, x: torch.Tensor, place: Place | None = None) -> tuple[bytes, torch.Tensor]:
         """Encode, and the exact tensor every receiver will decode from those bytes."""

@@ -93,8 +93,10 @@ def test_zstd_decompression_bomb_is_refused() -> None:
 
     from geodiloco.compression import envelope
 
-    pipeline = parse_pipeline("q8|zstd")
     bomb = zstandard.ZstdCompressor(level=1).compress(b"\0" * (64 << 20))  # 64 MiB of zeros
-    frame = envelope.seal(pipeline.tag, 1000, bomb)
-    with pytest.raises(CodecError, match="declares"):
-        pipeline.decode(frame, 1000)
+    # q4: zstd over the whole body; q8: over the high nibbles, after 532 stored bytes
+    for spec, stored in [("q4|zstd", 0), ("q8|zstd", 4 * 8 + 500)]:
+        pipeline = parse_pipeline(spec)
+        frame = envelope.seal(pipeline.tag, 1000, b"\0" * stored + bomb)
+        with pytest.raises(CodecError, match="declares"):
+            pipeline.decode(frame, 1000)
