@@ -88,12 +88,14 @@ class Zstd:
     def spec(self) -> str:
         return f"zstd:{self.level}"
 
-    def worth_coding(self, data: bytes | memoryview) -> bool:
-        """False for bytes that entropy coding cannot shrink (they are stored instead)."""
-        return len(data) < MIN_SAMPLED or estimated_gain(data) >= MIN_GAIN
+    def worth_coding(self, data: bytes | memoryview, of_frame: int = 0) -> bool:
+        """False for bytes that entropy coding cannot shrink by MIN_GAIN of the ``of_frame`` bytes
+        they are part of (default: of themselves); they are stored instead."""
+        share = len(data) / of_frame if of_frame else 1.0
+        return len(data) < MIN_SAMPLED or estimated_gain(data) * share >= MIN_GAIN
 
-    def encode(self, data: bytes | memoryview) -> bytes:
-        if not self.worth_coding(data):
+    def encode(self, data: bytes | memoryview, of_frame: int = 0) -> bytes:
+        if not self.worth_coding(data, of_frame):
             return stored_frame(data)
         return _compressor(self.level).compress(data)
 

@@ -197,7 +197,8 @@ class Pipeline:
             assert self.entropy is not None
             head = raw.numel() - x.numel()
             hi, lo = nibbles.split(raw[head:])
-            body = b"".join((body[:head], lo.numpy().data, self.entropy.encode(hi.numpy().data.cast("B"))))
+            coded = self.entropy.encode(hi.numpy().data.cast("B"), of_frame=raw.numel())
+            body = b"".join((body[:head], lo.numpy().data, coded))
         elif self.entropy is not None:
             body = self.entropy.encode(body)
         return envelope.seal(self.tag, x.numel(), prefix + body if prefix else body)

@@ -77,3 +77,13 @@ def test_a_damaged_stored_frame_is_a_clear_error() -> None:
     frame[13:16] = ((1 << 20) << 3 | 1).to_bytes(3, "little")  # first block claims 1 MiB, last
     with pytest.raises(CodecError, match="zstd"):
         zstd.decode(bytes(frame), len(data))
+
+
+def test_a_part_is_coded_only_if_it_saves_min_gain_of_its_whole_frame() -> None:
+    gen = torch.Generator().manual_seed(3)
+    data = (
+        torch.randint(0, 200, (1 << 17,), generator=gen, dtype=torch.uint8).numpy().tobytes()
+    )  # ~4.5% to gain
+    zstd = Zstd(level=1)
+    assert zstd.encode(data) != stored_frame(data)
+    assert zstd.encode(data, of_frame=3 * len(data)) == stored_frame(data)  # 1.5% of the frame: stored
