@@ -177,7 +177,7 @@ def measure(spec: str, tensor: str, x: torch.Tensor, sealed: str, repeats: int) 
 def measure_chunked(spec: str, tensor: str, x: torch.Tensor, sealed: str, repeats: int) -> Row:
     """Like :func:`measure`, but chunk by chunk as the system streams a large tensor."""
     pipeline = parse_pipeline(spec)
-    chunks, y = encode_chunks(pipeline, x, CHUNK)
+    chunks, y = encode_chunks(pipeline, x, CHUNK, round_=0)
     out = torch.empty_like(x)
     mb = 4 * x.numel() / 1e6
     enc = best_seconds(
@@ -186,7 +186,7 @@ def measure_chunked(spec: str, tensor: str, x: torch.Tensor, sealed: str, repeat
         ],
         repeats,
     )
-    dec = best_seconds(lambda: decode_chunks_into(pipeline, chunks, out), repeats)
+    dec = best_seconds(lambda: decode_chunks_into(pipeline, chunks, out, round_=0), repeats)
     return Row(
         name=spec,
         tensor=tensor,

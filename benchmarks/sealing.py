@@ -59,17 +59,17 @@ def run(numel: int, repeats: int) -> dict[str, Any]:
     pipeline = parse_pipeline(CODEC)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 1e-3
     keys = Keyring(os.urandom(32), "bench").site("site-a")
-    chunks, _ = encode_chunks(pipeline, x, CHUNK_ELEMENTS)
+    chunks, _ = encode_chunks(pipeline, x, CHUNK_ELEMENTS, round_=0)
     sealed = messages(chunks)
     for m in sealed:
         seal_delta(keys.up, m)
     out = torch.empty(numel)
 
     def encode_plain() -> None:
-        messages(encode_chunks(pipeline, x, CHUNK_ELEMENTS)[0])
+        messages(encode_chunks(pipeline, x, CHUNK_ELEMENTS, round_=0)[0])
 
     def encode_sealed() -> None:
-        for m in messages(encode_chunks(pipeline, x, CHUNK_ELEMENTS)[0]):
+        for m in messages(encode_chunks(pipeline, x, CHUNK_ELEMENTS, round_=0)[0]):
             seal_delta(keys.up, m)
 
     plain = messages(chunks)

@@ -6,20 +6,25 @@ computes the same set from the chunk's round and place, so:
 
 - no index travels: the whole bit budget goes to values (at 1 bit/param, ~40% of the elements
   at 2 bits, against ~10% for top-k, which spends most of its budget on indices);
-- all sites' updates of a round share one support, so their average is exactly as sparse and
-  the downlink sends it at the same size instead of sparsifying it a second time;
-- each element's turn comes every ``⌊1/F⌋`` or ``⌈1/F⌉`` rounds (exactly every ``1/F`` when that
-  is an integer); error feedback at the sender holds what it accumulated until then.
+- all sites' updates of a round share one support, so their average is exactly as sparse and,
+  with the FedAvg outer step (or any without momentum), the downlink sends it at the same size
+  instead of sparsifying it a second time (Nesterov's momentum makes the update dense: what
+  falls outside the set waits in the coordinator's error feedback);
+- each element's turn comes every ``⌊1/F⌋`` or ``⌈1/F⌉`` rounds (every ``1/F`` when that is an
+  integer, up to fp64 rounding at the interval's edge); error feedback at the sender holds what
+  it accumulated until then.
 
 The set depends on canonical indices, not on how a chunk was cut, so uplink chunks (shaped by
-a site's shards) and downlink chunks (shaped by the coordinator) agree. The frame starts with the
-round it was encoded for, and a receiver decoding it for another round gets a clear error.
+a site's shards) and downlink chunks (shaped by the coordinator) agree. The frame body starts with
+the round it was encoded for and a CRC of the chunk's place, so a receiver decoding it for
+another round or other elements gets a clear error instead of values at the wrong indices.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +33,8 @@ from geodiloco.compression.errors import CodecError
 from geodiloco.segment import Segment
 
 GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
-_ROUND = struct.Struct("<Q")
+_PREFIX = struct.Struct("<QI")  # round, CRC-32 of the place's elements
+_GEOMETRY = struct.Struct("<qqqq")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +49,19 @@ class Place:
         """A contiguous range of the canonical vector."""
         return cls(round_, Segment(start, 1, numel, numel))
 
+    @property
+    def elements_crc(self) -> int:
+        """CRC-32 of which elements these are (the same for every description of one set)."""
+        seg = self.segment.flat()
+        return zlib.crc32(_GEOMETRY.pack(seg.start, seg.rows, seg.row_len, seg.stride))
+
 
 @dataclass(frozen=True, slots=True)
 class Cyclic:
     """Keep the elements whose turn it is: about ``fraction`` of them each round."""
 
     fraction: float
-    prefix_size = _ROUND.size
+    prefix_size = _PREFIX.size
 
     def __post_init__(self) -> None:
         if not 0 < self.fraction <= 1:
@@ -79,15 +91,20 @@ class Cyclic:
         return torch.nonzero(turn < self.fraction).view(-1)
 
     def prefix(self, place: Place) -> bytes:
-        return _ROUND.pack(place.round)
+        return _PREFIX.pack(place.round, place.elements_crc)
 
     def check_prefix(self, body: memoryview, place: Place | None) -> memoryview:
-        """The rest of the body, once its round is the receiver's."""
+        """The rest of the body, once its round and elements are the receiver's."""
         if len(body) < self.prefix_size:
             raise CodecError(f"{self.spec}: frame body of {len(body)} bytes has no round")
-        (encoded_for,) = _ROUND.unpack_from(body)
+        encoded_for, crc = _PREFIX.unpack_from(body)
         if place is not None and encoded_for != place.round:
             raise CodecError(
                 f"{self.spec}: frame was encoded for round {encoded_for}, decoded for {place.round}"
+            )
+        if place is not None and crc != place.elements_crc:
+            raise CodecError(
+                f"{self.spec}: frame was encoded for other elements than the {place.segment.numel} "
+                f"at {place.segment.start}"
             )
         return body[self.prefix_size :]

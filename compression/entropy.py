@@ -22,7 +22,7 @@ import zstandard
 from geodiloco.compression.errors import CodecError
 
 MIN_LEVEL, MAX_LEVEL = -7, 22
-MIN_GAIN = 0.02  # code at the configured level only if order-0 entropy promises >= 2% fewer bytes
+MIN_GAIN = 0.02  # code only if order-0 entropy promises >= 2% fewer bytes (of the whole frame)
 SAMPLES = 8192  # bytes sampled: the entropy estimate is then biased low by < 0.03 bits/byte
 MIN_SAMPLED = 1 << 16  # below this size, always code at the configured level
 

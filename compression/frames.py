@@ -29,7 +29,7 @@ def chunk_ranges(numel: int, chunk_elements: int) -> Iterator[tuple[int, int]]:
 
 
 def encode_chunks(
-    pipeline: Pipeline, flat: torch.Tensor, chunk_elements: int, *, round_: int = 0
+    pipeline: Pipeline, flat: torch.Tensor, chunk_elements: int, *, round_: int
 ) -> tuple[list[EncodedChunk], torch.Tensor]:
     """Encode the canonical vector ``flat`` of round ``round_`` chunk by chunk; also return what
     every receiver will decode."""
@@ -43,7 +43,7 @@ def encode_chunks(
 
 
 def decode_chunks_into(
-    pipeline: Pipeline, chunks: Iterable[EncodedChunk], out: torch.Tensor, *, round_: int = 0
+    pipeline: Pipeline, chunks: Iterable[EncodedChunk], out: torch.Tensor, *, round_: int
 ) -> None:
     """Decode the chunks of round ``round_`` into the canonical vector ``out``; their ranges must
     tile it exactly, in order."""

@@ -4,8 +4,9 @@
 Each block of ``block`` elements is scaled by a statistic ``s`` and every element is rounded to
 the nearest of a few fixed levels; decoding is a table lookup times ``s``. With the absmax as
 ``s`` the levels lie in [-1, 1] and the error is <= s * (widest gap between levels) / 2. With
-the RMS as ``s`` (``lm2``) the levels are the mean-squared-error optimum for a Gaussian, and
-an element beyond the outer level is off by its excess, which error feedback carries. Layout:
+the RMS as ``s`` (``lm2``) the levels are the mean-squared-error optimum for a Gaussian, an
+element beyond the outer level is off by its excess, which error feedback carries, and there is
+no zero level (an exact zero decodes to -0.453·s). Layout:
 fp32 ``s`` per block, then the packed codes.
 """
 
@@ -56,6 +57,8 @@ class LevelQuantizer:
     def __post_init__(self) -> None:
         if not 1 <= self.block <= 1 << 20:
             raise CodecError(f"{self.name} block size must be in [1, {1 << 20}], got {self.block}")
+        if len(self.levels) > 1 << self.bits:
+            raise CodecError(f"{self.name}: {len(self.levels)} levels do not fit in {self.bits} bits")
 
     @property
     def spec(self) -> str:
@@ -71,10 +74,12 @@ class LevelQuantizer:
             return FP32_MAX
         return FP32_MAX / max(abs(v) for v in self.levels) * (1 - 2**-20)
 
-    def _scales(self, xb: torch.Tensor) -> torch.Tensor:
+    def _scales(self, xb: torch.Tensor, numel: int) -> torch.Tensor:
         if not self.rms:
             return xb.abs().amax(dim=1)
-        rms = xb.to(torch.float64).square().mean(dim=1).sqrt()
+        counts = torch.full((xb.shape[0],), float(self.block), dtype=torch.float64)
+        counts[-1] = numel - (xb.shape[0] - 1) * self.block  # the zero padding is not data
+        rms = (xb.to(torch.float64).square().sum(dim=1) / counts).sqrt()
         return rms.clamp_(max=self.max_scale).to(torch.float32)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +90,7 @@ class LevelQuantizer:
         xb = as_blocks(x, self.block)
         if not bool(torch.isfinite(xb).all()):
             raise CodecError("tensor contains NaN or Inf")
-        scale = self._scales(xb)
+        scale = self._scales(xb, numel)
         out[: 4 * nb].view(torch.float32).copy_(scale)
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
         y = (xb * inv[:, None]).view(-1)[:numel]
@@ -114,7 +119,7 @@ class LevelQuantizer:
             return torch.zeros(0)
         table = torch.tensor(self.levels, dtype=torch.float64)
         half_gap = float((table[1:] - table[:-1]).max()) / 2
-        scale = self._scales(as_blocks(x, self.block)).repeat_interleave(self.block)[: x.numel()]
+        scale = self._scales(as_blocks(x, self.block), x.numel()).repeat_interleave(self.block)[: x.numel()]
         bound = scale * half_gap
         if self.rms:  # beyond the outer level: off by the excess
             bound = torch.maximum(bound, x.abs() - scale * float(table.abs().max()))

@@ -490,12 +490,15 @@ class RoundController:
             raise ContributionMissing(f"site {name!r} has no contribution in open round {round_}; push it")
         async with self._changed:
             await self._changed.wait_for(lambda: self.round > round_)
+        await self.settle()  # the round counter moves before the commit is durable: wait for that
         return self.updates.get(round_)
 
     def full_state(self) -> FullState:
         """θ at the current round, lossless; cached until the next commit."""
         if self._full_state is None or self._full_state.round != self.round:
-            chunks, _ = encode_chunks(self.full_state_codec, self.theta, self.cfg.compression.chunk_elements)
+            chunks, _ = encode_chunks(
+                self.full_state_codec, self.theta, self.cfg.compression.chunk_elements, round_=self.round
+            )
             self._full_state = FullState(self.round, FULL_STATE_CODEC, chunks, self.hashes[self.round])
         return self._full_state
 

@@ -370,6 +370,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             elif kind != outer_sync_pb2.PullRequest.FULL_STATE:
                 raise InvalidArgument("PullRequest.kind must be UPDATE or FULL_STATE")
             if kind == outer_sync_pb2.PullRequest.FULL_STATE:
+                await self.c.settle()  # never a state that a commit in progress has not made durable
                 state = self.c.full_state()
                 chunks, codec, digest = state.chunks, state.codec, state.state_hash
                 next_round = round_ = state.round

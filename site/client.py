@@ -106,11 +106,12 @@ class PulledPart:
     data: list[DataRange]  # what to train on in `next_round`
 
     @property
-    def facts(self) -> tuple[bool, str, int, int, str, bool, list[DataRange]]:
+    def facts(self) -> tuple[bool, str, int, int, int, str, bool, list[DataRange]]:
         return (
             self.is_full_state,
             self.codec,
             self.total_chunks,
+            self.round,
             self.next_round,
             self.state_hash,
             self.finished,

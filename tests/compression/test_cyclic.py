@@ -79,6 +79,20 @@ def test_wrong_or_missing_place_is_a_clear_error() -> None:
         pipeline.decode(envelope.seal(pipeline.tag, 0, b"abc"), 0, Place.span(0, 0, 0))
 
 
+def test_a_frame_decoded_for_other_elements_of_the_same_size_is_refused() -> None:
+    pipeline = parse_pipeline("cyclic:0.4|q2")
+    column = Place(3, Segment(500, 40, 12, 30))  # a column shard of a 40 x 30 matrix
+    data = pipeline.encode(torch.randn(480), column)
+    with pytest.raises(CodecError, match="other elements than the 480 at 512"):
+        pipeline.decode(data, 480, Place(3, Segment(512, 40, 12, 30)))
+    # one set of elements, described two ways (a one-row strided segment is a contiguous span)
+    row = pipeline.encode(torch.ones(12), Place(3, Segment(500, 1, 12, 30)))
+    assert torch.equal(
+        pipeline.decode(row, 12, Place.span(3, 500, 12)),
+        pipeline.decode(row, 12, Place(3, Segment(500, 1, 12, 30))),
+    )
+
+
 def test_nan_is_refused_even_where_it_would_be_dropped() -> None:
     x = torch.zeros(100)
     x[1:] = float("nan")

@@ -54,3 +54,10 @@ def test_lm2_never_decodes_to_inf_and_refuses_a_forged_scale() -> None:
     raw[:4] = torch.tensor([3.4e38], dtype=torch.float32).view(torch.uint8)
     with pytest.raises(CodecError, match="scale is negative, not finite or too large"):
         pipeline.values.decode(raw, 4)
+
+
+def test_lm2_scales_a_short_last_block_by_its_own_elements() -> None:
+    x = torch.cat([torch.zeros(128), torch.full((5,), 2.0)])  # a last block of 5 in blocks of 128
+    raw = parse_pipeline("lm2").values.encode(x)
+    scales = raw[:8].view(torch.float32)
+    assert scales.tolist() == [0.0, 2.0]  # the RMS of the 5 values, not of them and 123 zeros

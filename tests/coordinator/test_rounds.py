@@ -116,6 +116,31 @@ async def test_fedavg_commit_matches_hand_computation_and_every_receiver_view() 
     assert update is not None and update.state_hash == state_hash(c.theta) == c.hashes[1]
 
 
+async def test_an_update_is_served_only_once_it_is_durable(tmp_path: Path) -> None:
+    c = controller(tmp_path)
+    await join_all(c)
+    release, persisted = asyncio.Event(), asyncio.Event()
+    persist = c._persist
+
+    async def slow_persist() -> None:
+        await release.wait()
+        await persist()
+        persisted.set()
+
+    c._persist = slow_persist  # type: ignore[method-assign]
+    await c.contribute("site-a", "", 0, 100, torch.ones(N))
+    commit = asyncio.create_task(c.contribute("site-b", "", 0, 100, torch.ones(N)))
+    while c.round == 0:  # the commit has moved the round on, and waits to be written
+        await asyncio.sleep(0.01)
+    pull = asyncio.create_task(c.wait_for_update(0, "site-a"))
+    await asyncio.sleep(0.2)
+    assert not pull.done()
+    release.set()
+    update = await pull
+    assert persisted.is_set() and update is not None and update.round == 0
+    await commit
+
+
 async def test_state_survives_a_restart_bit_for_bit(tmp_path: Path) -> None:
     c = controller(tmp_path)
     await join_all(c)

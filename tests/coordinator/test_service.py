@@ -28,7 +28,7 @@ def push_messages(
     codec: str = "q8|zstd:3",
     chunk_elements: int = 1 << 20,
 ) -> list[Any]:
-    chunks, _ = encode_chunks(parse_pipeline(codec), delta, chunk_elements)
+    chunks, _ = encode_chunks(parse_pipeline(codec), delta, chunk_elements, round_=round_)
     return delta_messages(client.run_id, client.site, round_, codec, chunks, tokens, client.assigned)
 
 
@@ -57,7 +57,9 @@ def test_wrong_shape_is_invalid_argument_and_round_completes_with_the_other_site
     assert coordinator.controller.sites["site-b"].rejected == 2
 
     delta = torch.randn(n) * 1e-2
-    good.push(0, "q8|zstd:3", encode_chunks(parse_pipeline("q8|zstd:3"), delta, 1 << 20)[0], tokens=64)
+    good.push(
+        0, "q8|zstd:3", encode_chunks(parse_pipeline("q8|zstd:3"), delta, 1 << 20, round_=0)[0], tokens=64
+    )
     pulled = good.pull_tensor(0, n)  # the round closes at its deadline with site-a alone
     assert pulled.next_round == 1 and not pulled.is_full_state
     record = coordinator.controller.history[0]
@@ -120,13 +122,13 @@ def test_pull_waits_for_commit_and_all_clients_get_identical_bytes(coordinator: 
     with pytest.raises(grpc.RpcError) as err:  # waiting without a contribution could never end
         b.pull_tensor(0, n)
     assert err.value.code() == grpc.StatusCode.ABORTED
-    b.push(0, codec.spec, encode_chunks(codec, torch.randn(n) * 1e-2, 1 << 20)[0], tokens=10)
+    b.push(0, codec.spec, encode_chunks(codec, torch.randn(n) * 1e-2, 1 << 20, round_=0)[0], tokens=10)
     results: dict[str, Any] = {}
     waiter = threading.Thread(target=lambda: results.setdefault("b", b.pull_tensor(0, n)))
     waiter.start()
     time.sleep(0.5)
     assert not results  # still waiting for site-a
-    a.push(0, codec.spec, encode_chunks(codec, torch.randn(n) * 1e-2, 1 << 20)[0], tokens=10)
+    a.push(0, codec.spec, encode_chunks(codec, torch.randn(n) * 1e-2, 1 << 20, round_=0)[0], tokens=10)
     waiter.join(10)
     pulled_a = a.pull_tensor(0, n)
     assert torch.equal(pulled_a.values, results["b"].values)

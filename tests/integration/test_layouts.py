@@ -3,7 +3,8 @@
 Each rank pushes only the elements it owns and pulls its share of the update's chunks; the
 replicas still agree bit for bit every round, hashed over the canonical parameters. The cyclic
 sparsifier runs too: its kept set must come out the same from a tensor-parallel rank's strided
-column shard, an FSDP2 rank's rows and the coordinator's contiguous chunks, or decoding fails.
+column shard, an FSDP2 rank's rows and the coordinator's contiguous chunks; each frame carries
+its round and a CRC of its elements, so a chunk decoded anywhere else fails the push or pull.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def test_wrong_shape_push_is_refused_and_the_round_completes_with_the_other_site
             tmp_path / "site-a.log",
         )
         codec = parse_pipeline(cfg.compression.uplink)
-        chunks, _ = encode_chunks(codec, torch.randn(info.num_params + 10), 1 << 20)
+        chunks, _ = encode_chunks(codec, torch.randn(info.num_params + 10), 1 << 20, round_=0)
         messages = delta_messages(info.run_id, "rogue", 0, codec.spec, chunks, 1000, info.data)
         with pytest.raises(grpc.RpcError) as err:
             outer_sync_pb2_grpc.OuterSyncStub(rogue.channel).PushDelta(iter(messages), timeout=30)

@@ -106,7 +106,7 @@ def delta_messages(
     seal: bool = True,
 ) -> list[Any]:
     """The messages a site's push would send, sealed with its keys, for tampering with."""
-    chunks, _ = encode_chunks(parse_pipeline(codec), delta, chunk_elements)
+    chunks, _ = encode_chunks(parse_pipeline(codec), delta, chunk_elements, round_=round_)
     messages = []
     for msg in push_stream(client.run_id, client.site, round_, codec, chunks, tokens, client.assigned):
         if seal:
