@@ -216,22 +216,29 @@ static PyObject *dequantize_q8(PyObject *self, PyObject *args)
     return finish(views, valid);
 }
 
-/* The buffers of a nibble call: `bytes` of n bytes, `hi` and `lo` of (n + 1) / 2 each. */
-static int get_nibble_arguments(PyObject *args, const char *const names[3], int writable, Py_buffer views[3],
-                                int bytes_at)
+/* split_nibbles and join_nibbles: the same buffers (codes of n bytes, hi and lo of (n + 1) / 2
+ * each), written in one direction or the other. */
+static PyObject *nibbles(PyObject *args, int join)
 {
     PyObject *objs[3];
+    Py_buffer views[3]; /* codes, hi, lo */
     if (!PyArg_ParseTuple(args, "OOO", &objs[0], &objs[1], &objs[2]))
-        return -1;
-    if (get_arguments(objs, names, writable, views) < 0)
-        return -1;
-    Py_ssize_t half = (views[bytes_at].len + 1) / 2;
-    if (views[bytes_at == 0 ? 1 : 0].len != half || views[bytes_at == 2 ? 1 : 2].len != half) {
+        return NULL;
+    if (get_arguments(objs, (const char *const[]){"codes", "hi", "lo"}, join ? 0x1 : 0x6, views) < 0)
+        return NULL;
+    Py_ssize_t n = views[0].len, half = (n + 1) / 2;
+    if (views[1].len != half || views[2].len != half) {
         PyErr_SetString(PyExc_ValueError, "nibbles: hi and lo must hold (len(codes) + 1) // 2 bytes each");
-        finish(views, -1);
-        return -1;
+        return finish(views, -1);
     }
-    return 0;
+    uint8_t *codes = views[0].buf, *hi = views[1].buf, *lo = views[2].buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (join)
+        join_nibbles(hi, lo, n, codes);
+    else
+        split_nibbles(codes, n, hi, lo);
+    Py_END_ALLOW_THREADS
+    return finish(views, 1);
 }
 
 PyDoc_STRVAR(split_nibbles_doc,
@@ -241,28 +248,16 @@ PyDoc_STRVAR(split_nibbles_doc,
 
 static PyObject *split_nibbles_py(PyObject *self, PyObject *args)
 {
-    Py_buffer views[3]; /* codes, hi, lo */
-    if (get_nibble_arguments(args, (const char *const[]){"codes", "hi", "lo"}, 0x6, views, 0) < 0)
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    split_nibbles((const uint8_t *)views[0].buf, views[0].len, (uint8_t *)views[1].buf, (uint8_t *)views[2].buf);
-    Py_END_ALLOW_THREADS
-    return finish(views, 1);
+    return nibbles(args, 0);
 }
 
 PyDoc_STRVAR(join_nibbles_doc,
-             "join_nibbles(hi, lo, codes) -> bool\n\n"
-             "The inverse of split_nibbles, into codes.");
+             "join_nibbles(codes, hi, lo) -> bool\n\n"
+             "The inverse of split_nibbles: write the bytes whose nibbles are hi and lo into codes.");
 
 static PyObject *join_nibbles_py(PyObject *self, PyObject *args)
 {
-    Py_buffer views[3]; /* hi, lo, codes */
-    if (get_nibble_arguments(args, (const char *const[]){"hi", "lo", "codes"}, 0x4, views, 2) < 0)
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    join_nibbles((const uint8_t *)views[0].buf, (const uint8_t *)views[1].buf, views[2].len, (uint8_t *)views[2].buf);
-    Py_END_ALLOW_THREADS
-    return finish(views, 1);
+    return nibbles(args, 1);
 }
 
 static PyMethodDef methods[] = {

@@ -20,9 +20,7 @@ class ErrorFeedback:
 
     def compensate(self, value: torch.Tensor) -> torch.Tensor:
         """The value to send this time: the new value plus (decayed) what earlier sends dropped."""
-        return (
-            value + self.residual if self.decay == 1.0 else torch.add(value, self.residual, alpha=self.decay)
-        )
+        return torch.add(value, self.residual, alpha=self.decay)
 
     def record(self, sent: torch.Tensor, decoded: torch.Tensor) -> None:
         """Keep what the receiver did not get."""

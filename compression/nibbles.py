@@ -39,7 +39,7 @@ def split(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def join(hi: bytes | memoryview, lo: bytes | memoryview, out: torch.Tensor) -> None:
     """Write the codes whose nibbles are ``hi`` and ``lo`` into the contiguous uint8 ``out``."""
     if _kernels is not None:
-        _kernels.join_nibbles(hi, lo, out.numpy())
+        _kernels.join_nibbles(out.numpy(), hi, lo)
         return
     h = torch.frombuffer(bytearray(hi), dtype=torch.uint8) if len(hi) else torch.empty(0, dtype=torch.uint8)
     low = torch.frombuffer(bytearray(lo), dtype=torch.uint8) if len(lo) else torch.empty(0, dtype=torch.uint8)
