@@ -10,7 +10,8 @@ caches, so their memcpy is a cache copy. ``--large N`` adds a Gaussian tensor of
 ``decode_chunks_into``), for the int8 pipelines only: there memcpy streams from DRAM.
 Throughput is in MB/s of fp32 input, best of ``--repeats``, next to ``memcpy_MBps``
 (``dst.copy_(src)`` of the same tensor into a preallocated one) measured in the same run, before
-and after the pipelines (the larger kept). Everything runs on one thread.
+and after the pipelines (the larger kept). Everything runs on one thread. ``--smoke`` (every
+pipeline once, a 2-step pseudo-gradient, small tensors: seconds) only checks that it still runs.
 
 ``WRAPPERS`` maps the "sealed" column's values to a (wrap, unwrap) pair applied to every
 encoded payload: "off", and "on" = AES-256-GCM sealing and opening as on the wire.
@@ -225,10 +226,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--pipelines", nargs="*", default=PIPELINES)
     parser.add_argument("--large", type=int, default=1 << 26, help="elements of the large tensor (0: skip)")
+    parser.add_argument("--smoke", action="store_true", help="every pipeline once on small tensors")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.repeats, args.large = 1, 2 * CHUNK
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    tensors = {"pseudo-gradient": pseudo_gradient(), "gaussian": torch.randn(1 << 20)}
+    gaussian = 1 << (16 if args.smoke else 20)
+    tensors = {"pseudo-gradient": pseudo_gradient(2 if args.smoke else 25), "gaussian": torch.randn(gaussian)}
     rows: list[Row] = []
     memcpy: dict[str, float] = {}
     large = LARGE_PIPELINES if args.large else []

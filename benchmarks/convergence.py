@@ -18,6 +18,9 @@ difference is noise. ``bits_per_param`` is the frame size per parameter of one d
 (header included, before zstd); ``wan_bytes`` counts every protobuf message both ways, as the demo
 does. A run in which some round closed without every site (``short_rounds`` > 0) trained on fewer
 tokens and is flagged in the table.
+
+``--smoke`` (one int8 run of 2 rounds on a tiny model, 2 sites of one rank, a 4-step warm start)
+only checks that the benchmark still runs.
 """
 
 from __future__ import annotations
@@ -59,12 +62,22 @@ PIPELINES = {
     "topk10%+4-bit": "topk:0.1|q4|zstd:1",
     "cyclic47%+2-bit": "cyclic:0.47|q2:256|zstd:1",  # <= 1 bit/param before zstd, no indices
 }
+SMOKE_SETTINGS = [
+    'sites=["site-1","site-2"]',
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=2",
+    "inner.steps_per_round=2",
+    "data.eval_sequences=8",
+]
 
 
-def run_one(name: str, spec: str, settings: list[str], seed: int, run_dir: Path) -> dict[str, Any]:
+def run_one(
+    name: str, spec: str, settings: list[str], seed: int, run_dir: Path, ranks_per_site: int = 2
+) -> dict[str, Any]:
     # --set comes after the pipeline, so that e.g. compression.downlink=q8|zstd:1 holds for every run
     overrides = [f"compression.uplink={spec}", f"compression.downlink={spec}", *settings, f"seed={seed}"]
-    opts = DemoOptions(overrides=overrides, baseline=False)
+    opts = DemoOptions(overrides=overrides, baseline=False, ranks_per_site=ranks_per_site)
     cfg = demo_config(opts)
     print(f"== {name}: {cfg.compression.uplink} up, {cfg.compression.downlink} down, seed {seed}", flush=True)
     result = run_diloco(cfg, opts, run_dir)
@@ -241,14 +254,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--resume", type=Path, help="start from the runs in this JSON (an earlier --json) and skip those"
     )
+    parser.add_argument("--smoke", action="store_true", help="one tiny int8 run: does it still run")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.warm_start, args.only, args.seeds = 2, 4, ["int8"], None
     settings = [f"rounds={args.rounds}"] if args.rounds else []
+    settings += SMOKE_SETTINGS if args.smoke else []  # before the warm start, which trains this model
+    ranks = 1 if args.smoke else 2
     defaults = demo_config(DemoOptions(overrides=settings, baseline=False))
     if args.schedule == "cosine":
         settings.append(f"inner.decay_steps={defaults.rounds * defaults.inner.steps_per_round}")
     settings += args.set
     if args.warm_start:
-        path = (args.keep or Path(tempfile.gettempdir())) / f"warm-start-{defaults.seed}-{args.warm_start}.pt"
+        path = (
+            args.keep or Path(tempfile.gettempdir())
+        ) / f"warm-start-{defaults.seed}-{args.warm_start}{'-smoke' * args.smoke}.pt"
         if not path.exists():
             loss = warm_start(defaults, args.warm_start, path)
             print(f"warm start: {args.warm_start} steps, eval loss {loss:.4f}, saved to {path}", flush=True)
@@ -279,10 +299,10 @@ def main(argv: list[str] | None = None) -> None:
                 run_dir = args.keep / label
                 shutil.rmtree(run_dir, ignore_errors=True)
                 run_dir.mkdir(parents=True)
-                runs[name].append(run_one(name, spec, settings, seed, run_dir))
+                runs[name].append(run_one(name, spec, settings, seed, run_dir, ranks))
             else:
                 with tempfile.TemporaryDirectory(prefix=f"convergence-{label}-") as tmp:
-                    runs[name].append(run_one(name, spec, settings, seed, Path(tmp)))
+                    runs[name].append(run_one(name, spec, settings, seed, Path(tmp), ranks))
             if args.json:  # after every run, so a long sweep leaves its results as it goes
                 chunk = defaults.compression.chunk_elements
                 write_json(args.json, summarise_all(pipelines, runs, params, chunk))

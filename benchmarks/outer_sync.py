@@ -13,6 +13,9 @@ pull the rank's share of the update, pass chunks among the ranks, apply, and has
 round (connections warming up) is left out. Printed per layout: median, min and max of the
 slowest rank's time per round, the elements each rank holds and pushes, and the bytes it sent
 and received per round.
+
+``--smoke`` (2 measured rounds of a 1-layer model, no emulated WAN) only checks that the benchmark
+still runs.
 """
 
 from __future__ import annotations
@@ -288,7 +291,12 @@ def main() -> None:
     parser.add_argument("--coordinator", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--smoke", action="store_true", help="2 rounds of a tiny model, no WAN: does it still run"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.n_layer, args.d_model, args.bandwidth_mbps, args.latency_ms = 2, 1, 64, 0.0, 0.0
     if args.worker:
         worker(args)
     else:

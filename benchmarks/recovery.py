@@ -12,7 +12,10 @@ Prints, measured (not modelled):
      pull and decode the full state, or the kept updates of the rounds it missed) through a
      link of each emulated bandwidth, against the bytes moved and their ideal transfer time.
 
-    python benchmarks/recovery.py [--json PATH] [--repeats N] [--bandwidths 2,10,50] [--keep DIR]
+    python benchmarks/recovery.py [--json PATH] [--repeats N] [--bandwidths 2,10,50] [--keep DIR] [--smoke]
+
+``--smoke`` (2 sites, quorum 1, one kill of each kind, one bandwidth) only checks that the
+benchmark still runs; it takes about a minute, most of it process start-up.
 
 Commit times are observed by polling the coordinator's round log every 20 ms, so every figure
 carries up to ~20 ms of observation delay. The default run takes a few minutes on 2 cores.
@@ -225,10 +228,10 @@ def measure_catch_up(run: Run, victim: str, bandwidth_mbps: float) -> dict[str, 
             joined = time.monotonic()
             join_bytes = client.bytes_received
             missed = range(info.round - CATCH_UP_ROUNDS, info.round)  # first, while still kept
-            updates = [client.pull(r, info.num_params, timeout_s=120) for r in missed]
+            updates = [client.pull_tensor(r, info.num_params, timeout_s=120) for r in missed]
             pulled_updates = time.monotonic()
             update_bytes = client.bytes_received - join_bytes
-            full = client.pull(info.round, info.num_params, full_state=True, timeout_s=120)
+            full = client.pull_tensor(info.round, info.num_params, full_state=True, timeout_s=120)
             pulled_full = time.monotonic()
             full_bytes = client.bytes_received - join_bytes - update_bytes
             client.leave("benchmark: catch-up measured")
@@ -325,6 +328,7 @@ def main() -> None:
         "--bandwidths", default="2,10,50", help="catch-up link bandwidths, Mbit/s, comma-separated"
     )
     parser.add_argument("--keep", type=Path, help="keep the processes' logs in this directory")
+    parser.add_argument("--smoke", action="store_true", help="2 sites, one kill of each kind, one bandwidth")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -335,6 +339,8 @@ def main() -> None:
     if any(b <= 0 for b in bandwidths):
         parser.error("--bandwidths must be > 0")
     settings = Settings(repeats=args.repeats, bandwidths_mbps=bandwidths)
+    if args.smoke:
+        settings = Settings(sites=2, min_sites=1, repeats=1, bandwidths_mbps=(50.0,))
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
         results = run_benchmark(settings, args.keep)

@@ -4,7 +4,9 @@ Encodes a ~4M-element fp32 tensor with ``q8|zstd:3`` in 1M-element chunks (as a 
 and without sealing each chunk's message (AES-256-GCM, header as associated data), and decodes
 it with and without opening them. Target: sealing adds at most 25% to the pipeline's time.
 
-    python benchmarks/sealing.py [--numel N] [--repeats R] [--json PATH]
+    python benchmarks/sealing.py [--numel N] [--repeats R] [--json PATH] [--smoke]
+
+``--smoke`` (two chunks, one repeat: a second) only checks that the benchmark still runs.
 """
 
 from __future__ import annotations
@@ -118,7 +120,10 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=4 << 20, help="elements (default 4Mi)")
     parser.add_argument("--repeats", type=int, default=15, help="timed repeats, best kept (default 15)")
     parser.add_argument("--json", type=Path, help="write the result here")
+    parser.add_argument("--smoke", action="store_true", help="two chunks, one repeat: does it still run")
     args = parser.parse_args()
+    if args.smoke:
+        args.numel, args.repeats = 2 * CHUNK_ELEMENTS, 1
     r = run(args.numel, args.repeats)
     ms = {k: r[k] * 1e3 for k in ("encode_s", "encode_sealed_s", "decode_s", "decode_opened_s")}
     print(
