@@ -29,7 +29,8 @@ def ts_site(target: str, name: str, pki: PkiDir, log: Path) -> subprocess.Popen[
     args = ["--coordinator", target, "--name", name, "--secret", str(secret)]
     args += ["--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca)]
     with open(log, "ab") as out:
-        return subprocess.Popen([str(tsx), "src/site.ts", *args], cwd=TS_CLIENT, stdout=out, stderr=subprocess.STDOUT)
+        command = [str(tsx), "src/site.ts", *args]
+        return subprocess.Popen(command, cwd=TS_CLIENT, stdout=out, stderr=subprocess.STDOUT)
 
 
 def test_typescript_and_python_sites_agree_every_round(tmp_path: Path) -> None:
@@ -43,12 +44,10 @@ def test_typescript_and_python_sites_agree_every_round(tmp_path: Path) -> None:
     py_files, py_secret = pki.issue_site("site-py")
     with CoordinatorThread(cfg, security=security) as coordinator:
         ts = ts_site(coordinator.target, "site-ts", pki, tmp_path / "site-ts.log")
-        py = spawn_geodiloco(
-            ["site", "run", "--name", "site-py", "--coordinator", coordinator.target, "--nproc", "1"]
-            + ["--tls-cert", str(py_files.cert), "--tls-key", str(py_files.key), "--tls-ca", str(py_files.ca)]
-            + ["--secret", str(py_secret)],
-            tmp_path / "site-py.log",
-        )
+        py_args = ["site", "run", "--name", "site-py", "--coordinator", coordinator.target, "--nproc", "1"]
+        py_args += ["--tls-cert", str(py_files.cert), "--tls-key", str(py_files.key)]
+        py_args += ["--tls-ca", str(py_files.ca), "--secret", str(py_secret)]
+        py = spawn_geodiloco(py_args, tmp_path / "site-py.log")
         try:
             assert ts.wait(timeout=240) == 0, (tmp_path / "site-ts.log").read_text()[-3000:]
             assert py.wait(timeout=240) == 0, (tmp_path / "site-py.log").read_text()[-3000:]
