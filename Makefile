@@ -3,10 +3,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
+TS     := clients/typescript
 
 .PHONY: setup demo test test-fast lint protos check-protos clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(TS)/node_modules/.installed
 
 # torch is pinned first: a bare `torch` requirement would pull a multi-GB CUDA build.
 # The editable install is strict (a link tree under build/) so that mypy can follow it;
@@ -18,10 +19,16 @@ $(VENV)/.installed: pyproject.toml compression/_kernels.c
 	$(BIN)/pip install -e ".[dev]" --config-settings editable_mode=strict
 	touch $@
 
+# The TypeScript site (docs/protocol.md): exactly the committed package-lock.json.
+$(TS)/node_modules/.installed: $(TS)/package-lock.json
+	cd $(TS) && npm ci --no-audit --no-fund
+	touch $@
+
 demo: setup
 	$(BIN)/geodiloco demo --json runs/demo.json --run-dir runs/demo
 
 test: setup
+	cd $(TS) && npm test --silent
 	$(BIN)/python -m pytest -q tests
 
 test-fast: setup
@@ -39,4 +46,4 @@ check-protos: setup
 	PATH=$(BIN):$$PATH scripts/check_protos.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info runs .pytest_cache .mypy_cache .ruff_cache $(TS)/node_modules

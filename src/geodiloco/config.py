@@ -201,7 +201,9 @@ class RunConfig:
     run_id: str = "geodiloco-run"
     sites: list[str] = field(default_factory=lambda: ["site-1", "site-2"])
     rounds: int = 10
-    min_sites: int = 0  # 0: every site named in `sites`
+    # contributions a round needs before it may close; 0: the default quorum, half of `sites`
+    # rounded up (see `quorum`); set it to len(sites) to wait for every site
+    min_sites: int = 0
     round_timeout_s: float = 600.0
     heartbeat_interval_s: float = 2.0
     lease_s: float = 15.0
@@ -233,7 +235,7 @@ class RunConfig:
         _require(
             0 <= self.min_sites <= len(self.sites),
             "min_sites",
-            f"must be in [0, {len(self.sites)}] (0 means all sites), got {self.min_sites}",
+            f"must be in [0, {len(self.sites)}] (0: half of the sites, rounded up), got {self.min_sites}",
         )
         _require(self.round_timeout_s > 0, "round_timeout_s", "must be > 0")
         _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
@@ -252,7 +254,13 @@ class RunConfig:
 
     @property
     def quorum(self) -> int:
-        return self.min_sites or len(self.sites)
+        """Contributions a round needs: ``min_sites``, or by default half the sites rounded up.
+
+        Failover is on by default: a lost site stops being waited for once its lease lapses, and
+        the round closes on the others as long as they reach the quorum. Half rounded up is a
+        majority for an odd number of sites and lets either of two sites carry the run alone.
+        """
+        return self.min_sites or (len(self.sites) + 1) // 2
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -46,6 +46,7 @@ class DemoOptions:
 def demo_config(opts: DemoOptions) -> RunConfig:
     data = json.loads(json.dumps(DEMO_DEFAULTS))
     data["sites"] = [f"site-{i + 1}" for i in range(opts.sites)]
+    data["min_sites"] = opts.sites  # same token budget as the baseline: every round waits for every site
     return RunConfig.from_dict(apply_overrides(data, opts.overrides))
 
 

@@ -1,7 +1,7 @@
 """A site killed after a checkpoint comes back with another rank count and another layout.
 
 Site A (FSDP2 over 2 ranks) checkpoints every round; it is SIGKILLed mid-run and restarted as
-one plain rank from the same directory. The round waits for it (quorum: every site), so it
+one plain rank from the same directory. The round waits for it (min_sites: every site), so it
 resumes exactly where the checkpoint left it: the state it loads hashes, over the canonical
 parameters, to what was saved, and the run finishes with every replica in agreement.
 """
@@ -32,7 +32,8 @@ def site_args(name: str, target: str, *extra: str) -> list[str]:
 
 
 def test_site_resumes_from_its_checkpoint_with_fewer_ranks(tmp_path: Path) -> None:
-    cfg = tiny_config(rounds=6, lease_s=3.0, inner__steps_per_round=40)  # rounds of a few seconds
+    # rounds of a few seconds; every round waits for both sites
+    cfg = tiny_config(rounds=6, min_sites=2, lease_s=3.0, inner__steps_per_round=40)
     coordinator, target = start_coordinator_process(cfg, tmp_path)
     ckpt = tmp_path / "ckpt-a"
     a_args = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]

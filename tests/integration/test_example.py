@@ -32,7 +32,7 @@ def test_example_trains_its_own_model_through_the_api_and_the_builders(
         "PYTHONPATH", os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))
     )
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    cfg = load_config(EXAMPLES / "mlp_teacher.toml", [f"rounds={ROUNDS}"])
+    cfg = load_config(EXAMPLES / "mlp_teacher.toml", [f"rounds={ROUNDS}", "min_sites=2"])  # both, every round
     data = build_data(cfg)
     initial_loss, count = evaluate_batches(build_model(cfg), data.eval_batches(0, 1))
     initial_loss /= count

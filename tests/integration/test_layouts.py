@@ -27,6 +27,7 @@ def test_sites_with_different_meshes_agree_every_round(tmp_path: Path, codec: st
     cfg = tiny_config(
         rounds=3,
         sites=list(LAYOUTS),
+        min_sites=len(LAYOUTS),  # every round waits for every layout
         compression__chunk_elements=700,
         compression__uplink=codec,
         compression__downlink=codec,

@@ -80,7 +80,7 @@ class RunRecord:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunRecord]:
     workdir = tmp_path_factory.mktemp("ops")
-    cfg = tiny_config(rounds=ROUNDS)
+    cfg = tiny_config(rounds=ROUNDS, min_sites=2)  # both sites contribute to every round
     (workdir / "run.json").write_text(cfg.to_json())
     ports = {name: free_port() for name in ("grpc", "metrics", "health", "site-a", "site-b")}
     coordinator = spawn_geodiloco(

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_two_sites_stay_bit_identical_every_round(tmp_path: Path) -> None:
-    cfg = tiny_config(rounds=4)
+    cfg = tiny_config(rounds=4, min_sites=2)  # every round waits for both sites
     coordinator, target = start_coordinator_process(cfg, tmp_path)
     sites = []
     try:
