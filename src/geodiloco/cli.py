@@ -1,4 +1,4 @@
-"""The `geodiloco` command: coordinator serve, site run, status, report, certs, demo, baseline."""
+"""The `geodiloco` command: coordinator serve, site run, status, report, certs, demo, baseline, wan."""
 
 from __future__ import annotations
 
@@ -252,7 +252,45 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(baseline)
     baseline.add_argument("--ranks-per-site", type=_positive_int, default=2)
     baseline.add_argument("--json", type=Path, dest="json_path", help="write the result JSON here")
+
+    _add_wan_parser(sub, common)
     return parser
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), _port(port)
+
+
+def _add_wan_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    wan = sub.add_parser(
+        "wan",
+        parents=[common],
+        help="an emulated WAN link in front of the coordinator (rehearse a run behind it)",
+        description="Forward --listen to --upstream through an emulated wide-area link: the sender "
+        "is read at the link rate into a bounded buffer, and every byte arrives one latency later.",
+    )
+    wan.add_argument("--upstream", type=_host_port, required=True, help="HOST:PORT to forward to")
+    wan.add_argument(
+        "--listen", type=_host_port, default=("127.0.0.1", 0), help="HOST:PORT (default 127.0.0.1:0)"
+    )
+    wan.add_argument("--rate-mbps", type=float, default=0.0, help="link rate, Mbit/s (0: unlimited)")
+    wan.add_argument("--rtt-ms", type=float, default=0.0, help="round-trip time, ms (half each way)")
+    wan.add_argument("--jitter-ms", type=float, default=0.0, help="± variation of the one-way latency, ms")
+    wan.add_argument(
+        "--loss", type=float, default=0.0, help="chance in [0, 1) that a piece arrives a retransmission late"
+    )
+    wan.add_argument(
+        "--buffer-bytes", type=int, default=0, help="bytes held per direction (0: twice the rate x delay)"
+    )
+    wan.add_argument("--seed", type=int, help="seed of the jitter and loss draws")
+    wan.add_argument(
+        "--control-port",
+        type=_port,
+        help="accept fault commands (partition [S], heal, delay MS S, drop) on 127.0.0.1:PORT",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -443,6 +481,34 @@ def _baseline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _wan(args: argparse.Namespace) -> int:
+    from geodiloco.wan import LinkConfig, serve
+
+    checks = [
+        (args.rate_mbps >= 0, "--rate-mbps", "must be >= 0"),
+        (args.rtt_ms >= 0, "--rtt-ms", "must be >= 0"),
+        (0 <= args.jitter_ms <= args.rtt_ms / 2, "--jitter-ms", "must be in [0, --rtt-ms / 2]"),
+        (0 <= args.loss < 1, "--loss", "must be in [0, 1)"),
+        (args.buffer_bytes == 0 or args.buffer_bytes >= 1024, "--buffer-bytes", "must be 0 or >= 1024"),
+    ]
+    for ok, flag, message in checks:
+        if not ok:
+            raise UsageError(f"{flag}: {message}, got {getattr(args, flag[2:].replace('-', '_'))}")
+    link = LinkConfig(
+        latency_ms=args.rtt_ms / 2,
+        bandwidth_mbps=args.rate_mbps,
+        jitter_ms=args.jitter_ms,
+        loss=args.loss,
+        buffer_bytes=args.buffer_bytes,
+        seed=args.seed,
+    )
+    try:
+        asyncio.run(serve(args.listen, args.upstream, link, args.control_port))
+    except OSError as exc:
+        raise UsageError(f"--listen/--control-port: cannot listen: {exc.strerror or exc}") from None
+    return 0
+
+
 COMMANDS = {
     ("coordinator", "serve"): _serve,
     ("site", "run"): _site_run,
@@ -454,6 +520,7 @@ COMMANDS = {
     ("certs", "secret"): _certs,
     ("demo", None): _demo,
     ("baseline", None): _baseline,
+    ("wan", None): _wan,
 }
 
 
