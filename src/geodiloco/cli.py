@@ -16,6 +16,7 @@ from geodiloco import __version__
 from geodiloco.logs import FORMAT_ENV, FORMATS, setup_logging
 
 if TYPE_CHECKING:
+    from geodiloco.security.identity import Identity
     from geodiloco.security.tls import TlsFiles
 
 log = logging.getLogger("geodiloco")
@@ -78,6 +79,21 @@ def _tls(args: argparse.Namespace, host: str) -> TlsFiles | None:
 
 def _target_host(target: str) -> str:
     return target.rpartition(":")[0] or target
+
+
+def _check_certificates(
+    tls: TlsFiles, target: str, role: str | None = None, name: str | None = None
+) -> Identity | None:
+    """Name a certificate problem here: through gRPC it would only look like an unreachable
+    coordinator (UNAVAILABLE, retried for minutes). Returns the certificate's identity."""
+    from geodiloco.security.certcheck import CertificateProblem, check_local, identity_of, probe_handshake
+
+    try:
+        cert = check_local(tls, role, name)
+        probe_handshake(target, tls)
+    except CertificateProblem as exc:
+        raise UsageError(str(exc)) from None
+    return identity_of(cert)
 
 
 def _positive_int(text: str) -> int:
@@ -302,6 +318,8 @@ def _site_run(args: argparse.Namespace) -> int:
     from geodiloco.site.launcher import run_site
 
     tls = _tls(args, _target_host(args.coordinator))
+    if tls is not None:
+        _check_certificates(tls, args.coordinator, role="site", name=args.name)
     if args.secret is None and not args.insecure:
         raise UsageError("--secret is required: the coordinator seals payloads (site-NAME.secret)")
     if args.secret is not None:
@@ -324,6 +342,12 @@ def _site_run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:  # read by rank 0 (geodiloco.metrics.SiteTelemetry)
         _check_bindable("--metrics-port", args.metrics_host, args.metrics_port)
         os.environ[PORT_ENV], os.environ[HOST_ENV] = str(args.metrics_port), args.metrics_host
+    from geodiloco.security.admission import NotAdmitted, check_admitted
+
+    try:  # before torchrun, so a refusal is one line rather than a rank's traceback
+        check_admitted(args.coordinator, args.name, tls)
+    except NotAdmitted as exc:
+        raise UsageError(str(exc)) from None
     return run_site(args.coordinator, args.name, args.nproc, tls, args.secret, extra)
 
 
@@ -357,17 +381,22 @@ def _certs(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import grpc
 
-    from geodiloco.status import fetch_status, format_status, status_dict
+    from geodiloco.status import fetch_status, format_status, visible_dict
 
+    tls = _tls(args, _target_host(args.coordinator))
+    viewer = None  # plaintext (loopback): the coordinator shows everything
+    if tls is not None:
+        identity = _check_certificates(tls, args.coordinator)
+        viewer = None if identity and identity.role == "admin" else str(identity or "no geodiloco identity")
     try:
-        status = fetch_status(args.coordinator, _tls(args, _target_host(args.coordinator)))
+        status = fetch_status(args.coordinator, tls)
     except grpc.RpcError as exc:
         print(
             f"geodiloco status: cannot reach {args.coordinator}: {exc.code().name} {exc.details()}",
             file=sys.stderr,
         )
         return 2
-    print(json.dumps(status_dict(status), indent=2) if args.json else format_status(status))
+    print(json.dumps(visible_dict(status, viewer), indent=2) if args.json else format_status(status, viewer))
     return 0
 
 
@@ -469,8 +498,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"geodiloco: {exc}", file=sys.stderr)
         return 2
     handler = COMMANDS[(args.command, getattr(args, "action", None))]
+    import grpc
+
     try:
         return handler(args)
+    except grpc.RpcError as exc:  # a refusal no command handled: its reason, not a traceback
+        code = exc.code().name if isinstance(exc, grpc.Call) else "ERROR"
+        details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+        print(f"geodiloco {args.command}: the coordinator answered {code}: {details}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"geodiloco {args.command}: invalid config: {exc}", file=sys.stderr)
         return 2
