@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import geodiloco.site.checkpoint as checkpoint
-from geodiloco import logs
+from geodiloco import faults, logs
 from geodiloco.builders import build_data, build_model, build_optimizer
 from geodiloco.distributed import init_distributed, shutdown_distributed
 from geodiloco.lifecycle import GracefulStop
@@ -121,6 +121,7 @@ def train(
             if options.checkpoint_dir is not None:
                 checkpoint.save(options.checkpoint_dir, model, optimizer, sync, layout.name)
             break
+        faults.at(site, rank, sync.round, sync.steps_in_round)  # tests: a fault plan's faults, if any
         step = sync.round * cfg.inner.steps_per_round + sync.steps_in_round
         batch = data.batch(sync.data, sync.steps_in_round, dp_rank, dp)  # the ledger's data this round
         tokens = data.tokens(batch)

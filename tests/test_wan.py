@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
 
+from geodiloco.cli import main
 from geodiloco.site.client import OuterSyncClient
 from geodiloco.status import fetch_status
 from geodiloco.v1 import outer_sync_pb2
-from geodiloco.wan import LinkConfig, ProxyThread
+from geodiloco.wan import Direction, LinkConfig, ProxyThread, WanProxy
 from helpers import CoordinatorThread, tiny_config
 
 pytestmark = pytest.mark.integration
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -65,3 +78,124 @@ def test_reset_drops_connections_and_clients_reconnect(coordinator: CoordinatorT
         time.sleep(0.2)
         assert client.heartbeat(0).round == 0  # gRPC reconnects through the proxy
     assert coordinator.controller.sites["site-a"].state == "joined"
+
+
+PUSH_ONCE = """
+import sys, torch
+from geodiloco.compression import parse_pipeline
+from geodiloco.compression.frames import encode_chunks
+from geodiloco.site.client import OuterSyncClient
+client = OuterSyncClient(sys.argv[1], "site-a")
+info = client.join()
+chunks, _ = encode_chunks(parse_pipeline("fp32"), torch.full((info.num_params,), 1e-4), 65536, round_=0)
+print("pushing", sum(len(c.payload) for c in chunks), flush=True)
+client.push(0, "fp32", chunks, tokens=100)
+print("pushed", flush=True)
+"""
+
+
+def test_a_sender_killed_mid_push_does_not_deliver_the_whole_push() -> None:
+    # 1.6 M parameters: a 6.6 MB fp32 push, about 6.6 s at 8 Mbit/s
+    cfg = tiny_config(
+        model__d_model=256, model__n_layer=2, compression__uplink="fp32", compression__chunk_elements=65536
+    )
+    with (
+        CoordinatorThread(cfg) as coordinator,
+        ProxyThread(coordinator.target, LinkConfig(bandwidth_mbps=8)) as p,
+    ):
+        payload = coordinator.controller.num_params * 4
+        child = subprocess.Popen([sys.executable, "-c", PUSH_ONCE, p.address], stdout=subprocess.PIPE)
+        try:
+            wait_for(lambda: p.proxy.bytes_up > 500_000, 60, "the push to be under way")
+            child.kill()  # mid-push: the rest of it is still in the sender
+            child.wait(10)
+            wait_for(lambda: p.proxy.open_connections == 0, 30, "the proxy to close the dead sender's link")
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        # measured: 2.3 MB (what was in flight and in the buffers); an unbounded reader took 4.5 MB
+        assert p.proxy.bytes_up < payload / 2, (p.proxy.bytes_up, payload)
+        time.sleep(0.5)  # the coordinator sees the stream end unfinished
+        assert coordinator.controller.round == 0 and not coordinator.controller.mean.contributors
+
+
+def test_jitter_and_loss_delay_pieces_but_keep_their_order() -> None:
+    link = LinkConfig(latency_ms=50, jitter_ms=20, loss=0.2, seed=3)
+    direction = Direction(WanProxy("127.0.0.1", 1, link), "up")
+    close = [direction._due(i * 0.001) for i in range(400)]  # a piece every millisecond
+    assert close == sorted(close)  # in order, as TCP delivers: a late piece holds up the next ones
+    apart = [direction._due(1.0 + i) - (1.0 + i) for i in range(400)]  # one a second: independent
+    assert min(apart) >= 0.030 and max(apart) < 0.070 + 0.2
+    late = [d for d in apart if d >= 0.2]  # one retransmission timeout (200 ms) late
+    assert 50 <= len(late) <= 110  # a fifth of them
+    again = Direction(WanProxy("127.0.0.1", 1, link), "up")
+    assert [again._due(i * 0.001) for i in range(400)] == close  # seeded: repeatable
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("jitter_ms", 60.0), ("loss", 1.0), ("buffer_bytes", 10), ("bandwidth_mbps", -1.0)]
+)
+def test_bad_link_settings_name_the_field(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        LinkConfig(latency_ms=50, **{field: value})
+
+
+def test_control_port_takes_fault_commands(coordinator: CoordinatorThread) -> None:
+    with ProxyThread(coordinator.target, control_port=0) as proxy:
+        host, _, port = proxy.control_address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=5) as conn:
+            lines = conn.makefile("rw")
+
+            def ask(command: str) -> str:
+                lines.write(command + "\n")
+                lines.flush()
+                return lines.readline().strip()
+
+            assert ask("partition") == "ok" and proxy.proxy.partitioned
+            assert ask("heal") == "ok" and not proxy.proxy.partitioned
+            assert ask("partition 0.3") == "ok" and proxy.proxy.partitioned
+            wait_for(lambda: not proxy.proxy.partitioned, 5, "the partition to heal by itself")
+            assert ask("delay 100 5") == "ok" and proxy.proxy.extra_delay_ms(time.monotonic()) == 100
+            assert ask("drop") == "ok"
+            assert ask("partition soon").startswith("error: expected numbers")
+            assert ask("explode").startswith("error: unknown command 'explode'; accepted:")
+
+
+def test_wan_command_rehearses_a_link(coordinator: CoordinatorThread) -> None:
+    cmd = [sys.executable, "-m", "geodiloco", "wan", "--upstream", coordinator.target, "--rtt-ms", "120"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        ready = proc.stdout.readline()
+        assert ready.startswith("geodiloco wan: listening on 127.0.0.1:"), ready
+        address = ready.split()[4].rstrip(",")
+        fetch_status(address, None)
+        started = time.monotonic()
+        assert fetch_status(address, None).run_id == "test-run"
+        assert time.monotonic() - started >= 0.12  # at least one round trip
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--loss", "1.5"], "--loss: must be in [0, 1)"),
+        (["--rtt-ms", "10", "--jitter-ms", "6"], "--jitter-ms: must be in [0, --rtt-ms / 2]"),
+        (["--rate-mbps", "-1"], "--rate-mbps: must be >= 0"),
+        (["--listen", "nowhere"], "--listen: expected HOST:PORT"),
+    ],
+)
+def test_wan_command_names_a_bad_flag(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = main(["wan", "--upstream", "127.0.0.1:1", *args])
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code  # type: ignore[assignment]
+    assert code == 2 and message in capsys.readouterr().err

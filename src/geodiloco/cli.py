@@ -1,4 +1,4 @@
-"""The `geodiloco` command: coordinator serve, site run, status, report, certs, demo, baseline."""
+"""The `geodiloco` command: coordinator serve, site run, status, report, certs, demo, baseline, wan."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from geodiloco import __version__
 from geodiloco.logs import FORMAT_ENV, FORMATS, setup_logging
 
 if TYPE_CHECKING:
+    from geodiloco.security.identity import Identity
     from geodiloco.security.tls import TlsFiles
 
 log = logging.getLogger("geodiloco")
@@ -78,6 +79,21 @@ def _tls(args: argparse.Namespace, host: str) -> TlsFiles | None:
 
 def _target_host(target: str) -> str:
     return target.rpartition(":")[0] or target
+
+
+def _check_certificates(
+    tls: TlsFiles, target: str, role: str | None = None, name: str | None = None
+) -> Identity | None:
+    """Name a certificate problem here: through gRPC it would only look like an unreachable
+    coordinator (UNAVAILABLE, retried for minutes). Returns the certificate's identity."""
+    from geodiloco.security.certcheck import CertificateProblem, check_local, identity_of, probe_handshake
+
+    try:
+        cert = check_local(tls, role, name)
+        probe_handshake(target, tls)
+    except CertificateProblem as exc:
+        raise UsageError(str(exc)) from None
+    return identity_of(cert)
 
 
 def _positive_int(text: str) -> int:
@@ -252,7 +268,45 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(baseline)
     baseline.add_argument("--ranks-per-site", type=_positive_int, default=2)
     baseline.add_argument("--json", type=Path, dest="json_path", help="write the result JSON here")
+
+    _add_wan_parser(sub, common)
     return parser
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), _port(port)
+
+
+def _add_wan_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    wan = sub.add_parser(
+        "wan",
+        parents=[common],
+        help="an emulated WAN link in front of the coordinator (rehearse a run behind it)",
+        description="Forward --listen to --upstream through an emulated wide-area link: the sender "
+        "is read at the link rate into a bounded buffer, and every byte arrives one latency later.",
+    )
+    wan.add_argument("--upstream", type=_host_port, required=True, help="HOST:PORT to forward to")
+    wan.add_argument(
+        "--listen", type=_host_port, default=("127.0.0.1", 0), help="HOST:PORT (default 127.0.0.1:0)"
+    )
+    wan.add_argument("--rate-mbps", type=float, default=0.0, help="link rate, Mbit/s (0: unlimited)")
+    wan.add_argument("--rtt-ms", type=float, default=0.0, help="round-trip time, ms (half each way)")
+    wan.add_argument("--jitter-ms", type=float, default=0.0, help="± variation of the one-way latency, ms")
+    wan.add_argument(
+        "--loss", type=float, default=0.0, help="chance in [0, 1) that a piece arrives a retransmission late"
+    )
+    wan.add_argument(
+        "--buffer-bytes", type=int, default=0, help="bytes held per direction (0: twice the rate x delay)"
+    )
+    wan.add_argument("--seed", type=int, help="seed of the jitter and loss draws")
+    wan.add_argument(
+        "--control-port",
+        type=_port,
+        help="accept fault commands (partition [S], heal, delay MS S, drop) on 127.0.0.1:PORT",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -302,6 +356,8 @@ def _site_run(args: argparse.Namespace) -> int:
     from geodiloco.site.launcher import run_site
 
     tls = _tls(args, _target_host(args.coordinator))
+    if tls is not None:
+        _check_certificates(tls, args.coordinator, role="site", name=args.name)
     if args.secret is None and not args.insecure:
         raise UsageError("--secret is required: the coordinator seals payloads (site-NAME.secret)")
     if args.secret is not None:
@@ -324,6 +380,12 @@ def _site_run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:  # read by rank 0 (geodiloco.metrics.SiteTelemetry)
         _check_bindable("--metrics-port", args.metrics_host, args.metrics_port)
         os.environ[PORT_ENV], os.environ[HOST_ENV] = str(args.metrics_port), args.metrics_host
+    from geodiloco.security.admission import NotAdmitted, check_admitted
+
+    try:  # before torchrun, so a refusal is one line rather than a rank's traceback
+        check_admitted(args.coordinator, args.name, tls)
+    except NotAdmitted as exc:
+        raise UsageError(str(exc)) from None
     return run_site(args.coordinator, args.name, args.nproc, tls, args.secret, extra)
 
 
@@ -357,17 +419,22 @@ def _certs(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import grpc
 
-    from geodiloco.status import fetch_status, format_status, status_dict
+    from geodiloco.status import fetch_status, format_status, visible_dict
 
+    tls = _tls(args, _target_host(args.coordinator))
+    viewer = None  # plaintext (loopback): the coordinator shows everything
+    if tls is not None:
+        identity = _check_certificates(tls, args.coordinator)
+        viewer = None if identity and identity.role == "admin" else str(identity or "no geodiloco identity")
     try:
-        status = fetch_status(args.coordinator, _tls(args, _target_host(args.coordinator)))
+        status = fetch_status(args.coordinator, tls)
     except grpc.RpcError as exc:
         print(
             f"geodiloco status: cannot reach {args.coordinator}: {exc.code().name} {exc.details()}",
             file=sys.stderr,
         )
         return 2
-    print(json.dumps(status_dict(status), indent=2) if args.json else format_status(status))
+    print(json.dumps(visible_dict(status, viewer), indent=2) if args.json else format_status(status, viewer))
     return 0
 
 
@@ -443,6 +510,34 @@ def _baseline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _wan(args: argparse.Namespace) -> int:
+    from geodiloco.wan import LinkConfig, serve
+
+    checks = [
+        (args.rate_mbps >= 0, "--rate-mbps", "must be >= 0"),
+        (args.rtt_ms >= 0, "--rtt-ms", "must be >= 0"),
+        (0 <= args.jitter_ms <= args.rtt_ms / 2, "--jitter-ms", "must be in [0, --rtt-ms / 2]"),
+        (0 <= args.loss < 1, "--loss", "must be in [0, 1)"),
+        (args.buffer_bytes == 0 or args.buffer_bytes >= 1024, "--buffer-bytes", "must be 0 or >= 1024"),
+    ]
+    for ok, flag, message in checks:
+        if not ok:
+            raise UsageError(f"{flag}: {message}, got {getattr(args, flag[2:].replace('-', '_'))}")
+    link = LinkConfig(
+        latency_ms=args.rtt_ms / 2,
+        bandwidth_mbps=args.rate_mbps,
+        jitter_ms=args.jitter_ms,
+        loss=args.loss,
+        buffer_bytes=args.buffer_bytes,
+        seed=args.seed,
+    )
+    try:
+        asyncio.run(serve(args.listen, args.upstream, link, args.control_port))
+    except OSError as exc:
+        raise UsageError(f"--listen/--control-port: cannot listen: {exc.strerror or exc}") from None
+    return 0
+
+
 COMMANDS = {
     ("coordinator", "serve"): _serve,
     ("site", "run"): _site_run,
@@ -454,6 +549,7 @@ COMMANDS = {
     ("certs", "secret"): _certs,
     ("demo", None): _demo,
     ("baseline", None): _baseline,
+    ("wan", None): _wan,
 }
 
 
@@ -469,8 +565,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"geodiloco: {exc}", file=sys.stderr)
         return 2
     handler = COMMANDS[(args.command, getattr(args, "action", None))]
+    import grpc
+
     try:
         return handler(args)
+    except grpc.RpcError as exc:  # a refusal no command handled: its reason, not a traceback
+        code = exc.code().name if isinstance(exc, grpc.Call) else "ERROR"
+        details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+        print(f"geodiloco {args.command}: the coordinator answered {code}: {details}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"geodiloco {args.command}: invalid config: {exc}", file=sys.stderr)
         return 2

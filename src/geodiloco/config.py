@@ -45,14 +45,14 @@ class DataConfig:
     """Training text. Empty ``paths`` means the running interpreter's standard library."""
 
     paths: list[str] = field(default_factory=list)
-    max_bytes: int = 4_000_000
+    max_bytes: int = 4_000_000  # 0: all of the text (it is read in place, never held whole)
     shards: int = 24  # units of the coordinator's data ledger
     eval_fraction: float = 0.05
     eval_sequences: int = 192
     batch_size: int = 8  # per rank
 
     def __post_init__(self) -> None:
-        _require(self.max_bytes > 0, "data.max_bytes", f"must be > 0, got {self.max_bytes}")
+        _require(self.max_bytes >= 0, "data.max_bytes", f"must be >= 0 (0: all), got {self.max_bytes}")
         _require(
             0.0 < self.eval_fraction < 0.5,
             "data.eval_fraction",

@@ -55,15 +55,22 @@ def _spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=worker_env())
 
 
-def _wait_for_port(path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> int:
+def _wait_for_port(path: Path, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 60.0) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if path.exists():
             return int(path.read_text())
         if proc.poll() is not None:
-            raise RuntimeError("the coordinator exited during start-up")
+            raise RuntimeError(f"the coordinator exited during start-up: {_reason(log)} (log: {log})")
         time.sleep(0.1)
     raise RuntimeError("the coordinator did not start in time")
+
+
+def _reason(log: Path) -> str:
+    """A process's one-line reason for exiting: the last line it wrote (the CLI's message, or the
+    exception's line of a traceback)."""
+    lines = _tail(log).splitlines()
+    return lines[-1].strip() if lines else "no output"
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -130,7 +137,7 @@ def run_diloco(cfg: RunConfig, opts: DemoOptions, run_dir: Path) -> dict[str, An
     )
     sites: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        target = f"127.0.0.1:{_wait_for_port(port_file, coordinator)}"
+        target = f"127.0.0.1:{_wait_for_port(port_file, coordinator, run_dir / 'coordinator.log')}"
         print(
             f"coordinator on {target}; starting {len(cfg.sites)} sites x {opts.ranks_per_site} ranks "
             f"(logs in {run_dir})",

@@ -11,6 +11,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from geodiloco.security.tls import TlsFiles, open_channel
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc
 
+# what the coordinator tells a non-admin certificate (coordinator.service.AdminServicer.GetStatus)
+SITE_VISIBLE = ("run_id", "round", "rounds_total", "finished", "phase", "num_params")
+ADMIN_NEEDED = (
+    "per-site state, losses, bytes, round history, uptime and the data ledger need an admin "
+    "certificate (geodiloco certs issue --admin NAME)"
+)
+
 
 def fetch_status(target: str, tls: TlsFiles | None, timeout_s: float = 10.0) -> Any:
     """The run's status; per-site details and history need an admin certificate."""
@@ -34,6 +41,17 @@ def check_health(target: str, tls: TlsFiles | None, service: str = "", timeout_s
             health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
         )
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+
+
+def visible_dict(status: Any, viewer: str | None = None) -> dict[str, Any]:
+    """The JSON of ``geodiloco status``. ``viewer`` None: an admin (or a plaintext loopback
+    run), who sees everything; else the non-admin certificate (e.g. "site site-a"), which is
+    told only what it may see and which certificate the rest needs, not zeros that look like facts."""
+    if viewer is None:
+        return status_dict(status)
+    out = {name: getattr(status, name) for name in SITE_VISIBLE}
+    out.update(view=viewer, details=ADMIN_NEEDED)
+    return out
 
 
 def status_dict(message: Message) -> dict[str, Any]:
@@ -63,7 +81,14 @@ def _loss(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.4f}"
 
 
-def format_status(status: Any) -> str:
+def format_status(status: Any, viewer: str | None = None) -> str:
+    """A table for an admin (``viewer`` None); for another certificate, what it may see."""
+    if viewer is not None:
+        return (
+            f"run {status.run_id}: round {status.round}/{status.rounds_total} ({status.phase}), "
+            f"{status.num_params:,} parameters\n"
+            f"this certificate ({viewer}) may see only the run's round, phase and size; {ADMIN_NEEDED}"
+        )
     last = status.history[-1] if status.history else None
     lines = [
         f"run {status.run_id}: round {status.round}/{status.rounds_total} ({status.phase}), "

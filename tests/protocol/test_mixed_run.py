@@ -68,3 +68,19 @@ def test_typescript_and_python_sites_agree_every_round(tmp_path: Path) -> None:
         (h.round, h.state_hash, True) for h in history
     ]
     assert all(x["kind"] == "UPDATE" for x in rounds)
+
+
+def test_a_site_without_the_runs_codec_leaves_saying_which(tmp_path: Path) -> None:
+    """Codec negotiation (docs/protocol.md §9): the run config names the codecs; a site that lacks
+    one leaves with the reason instead of pushing chunks that would be refused."""
+    cfg = tiny_config(sites=["site-ts"], rounds=2, compression__uplink="fp16")
+    tsx = TS_CLIENT / "node_modules" / ".bin" / "tsx"
+    with CoordinatorThread(cfg) as coordinator:
+        command = [str(tsx), "src/site.ts", "--coordinator", coordinator.target, "--name", "site-ts"]
+        result = subprocess.run(
+            [*command, "--insecure"], cwd=TS_CLIENT, capture_output=True, text=True, timeout=60
+        )
+        state = coordinator.controller.sites["site-ts"].state
+    assert result.returncode == 2, result.stderr
+    assert "unsupported codec" in result.stderr and '"fp16"' in result.stderr
+    assert state == "left"

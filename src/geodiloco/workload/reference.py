@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from geodiloco.workload.data import DataRange, DataShards, eval_slice, eval_windows, load_corpus, rank_batch
+from geodiloco.workload.data import (
+    DataRange,
+    DataShards,
+    eval_slice,
+    eval_windows,
+    load_corpus,
+    rank_batch,
+    require_text,
+)
 from geodiloco.workload.model import build_model as build_gpt
 from geodiloco.workload.steps import make_inner_optimizer
 
@@ -28,6 +36,9 @@ class ReferenceData:
 
     def __init__(self, cfg: RunConfig) -> None:
         corpus = load_corpus(cfg.data.paths, cfg.data.max_bytes, cfg.data.eval_fraction)
+        require_text(
+            corpus, shards=cfg.data.shards, seq_len=cfg.model.seq_len, eval_sequences=cfg.data.eval_sequences
+        )
         self.shards = DataShards(corpus, count=cfg.data.shards, seq_len=cfg.model.seq_len, seed=cfg.seed)
         self.eval = eval_windows(corpus, cfg.data.eval_sequences, cfg.model.seq_len)
         self.batch_size = cfg.data.batch_size

@@ -1,0 +1,217 @@
+"""Deterministic fault injection: faults placed at (site, rank, round, step), not by wall clock.
+
+A chaos test (or an operator rehearsing failures) writes a plan, a JSON file named by
+``GEODILOCO_FAULT_PLAN`` in the sites' environment. Each site's training loop calls :func:`at`
+before every inner step; the rank a fault names fires it when it first reaches the fault's round
+and step (or, if a catch-up skipped that point, the first step after it), so every fault lands
+at the same point of training in every run:
+
+- ``kill``: SIGKILL the site (its torchrun and every rank), or with ``"target": "coordinator"``
+  the coordinator's process (``coordinator_pid`` in the plan);
+- ``partition``: cut the site's WAN link for ``seconds``;
+- ``delay``: add ``delay_ms`` of one-way latency to the site's link for ``seconds``;
+- ``drop``: reset every connection of the site's link.
+
+Link faults go to the site's ``geodiloco wan`` proxy through its control port (``links`` in the
+plan). Each fault fires once per plan, even across restarts of the site: before acting, the
+rank claims it by creating ``<plan>.fired/<index>.json`` (which records where it fired).
+
+Example plan::
+
+    {"links": {"site-2": "127.0.0.1:7002"}, "coordinator_pid": 4242,
+     "faults": [{"action": "kill", "site": "site-1", "rank": 1, "round": 2, "step": 3},
+                {"action": "partition", "site": "site-2", "round": 6, "step": 1, "seconds": 10}]}
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import socket
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("geodiloco.faults")
+
+FAULT_PLAN_ENV = "GEODILOCO_FAULT_PLAN"
+ACTIONS = ("kill", "partition", "delay", "drop")
+TARGETS = ("site", "coordinator")
+CONTROL_TIMEOUT_S = 10.0
+
+
+class FaultPlanError(ValueError):
+    """A plan that cannot be used; the message names the field."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fault:
+    """One fault and the point of training where it fires."""
+
+    action: str
+    site: str  # whose training position places the fault (and whose link or process it hits)
+    round: int
+    step: int = 0  # inner step within the round: fires before that step runs
+    rank: int = 0  # the site's rank that fires it
+    target: str = "site"  # kill only: the site itself, or the coordinator
+    seconds: float = 0.0  # partition and delay: how long
+    delay_ms: float = 0.0  # delay: extra one-way latency
+
+    def __post_init__(self) -> None:
+        def require(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise FaultPlanError(f"{name}: {message}")
+
+        require(self.action in ACTIONS, "action", f"unknown {self.action!r}; accepted: {', '.join(ACTIONS)}")
+        require(bool(self.site), "site", "must name a site")
+        for name in ("round", "step", "rank"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 0, name, f"must be an integer >= 0, got {value!r}")
+        require(self.target in TARGETS, "target", f"unknown {self.target!r}; accepted: {', '.join(TARGETS)}")
+        require(
+            self.target == "site" or self.action == "kill", "target", "only a kill may target the coordinator"
+        )
+        if self.action in ("partition", "delay"):
+            require(self.seconds > 0, "seconds", f"a {self.action} needs a duration > 0, got {self.seconds}")
+        if self.action == "delay":
+            require(self.delay_ms > 0, "delay_ms", f"must be > 0, got {self.delay_ms}")
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return (self.round, self.step)
+
+    def command(self) -> str:
+        """The WAN proxy's control command for a link fault."""
+        if self.action == "partition":
+            return f"partition {self.seconds}"
+        if self.action == "delay":
+            return f"delay {self.delay_ms} {self.seconds}"
+        return "drop"
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultPlan:
+    """Faults in the order given; ``links``: each site's WAN proxy control address."""
+
+    faults: list[Fault] = field(default_factory=list)
+    links: dict[str, str] = field(default_factory=dict)
+    coordinator_pid: int = 0
+
+    def __post_init__(self) -> None:
+        for i, fault in enumerate(self.faults):
+            if fault.action != "kill" and fault.site not in self.links:
+                raise FaultPlanError(f"faults[{i}].site: a {fault.action} needs links[{fault.site!r}]")
+            if fault.target == "coordinator" and self.coordinator_pid <= 0:
+                raise FaultPlanError(f"faults[{i}].target: killing the coordinator needs coordinator_pid")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> FaultPlan:
+        if not isinstance(data, dict):
+            raise FaultPlanError(f"plan: expected an object, got {data!r}")
+        unknown = sorted(set(data) - {"faults", "links", "coordinator_pid"})
+        if unknown:
+            raise FaultPlanError(f"{unknown[0]}: unknown field; accepted: coordinator_pid, faults, links")
+        faults = []
+        for i, item in enumerate(data.get("faults", [])):
+            try:
+                faults.append(Fault(**item))
+            except FaultPlanError as exc:
+                raise FaultPlanError(f"faults[{i}].{exc}") from None
+            except TypeError as exc:  # not an object, or an unknown or missing key
+                raise FaultPlanError(f"faults[{i}]: {exc}") from None
+        return cls(
+            faults=faults, links=dict(data.get("links", {})), coordinator_pid=data.get("coordinator_pid", 0)
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def write(self, path: Path) -> None:
+        path.write_text(self.to_json())
+
+
+def load_plan(path: Path) -> FaultPlan:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise FaultPlanError(f"{FAULT_PLAN_ENV}={path}: {exc.strerror}") from None
+    try:
+        return FaultPlan.from_dict(json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise FaultPlanError(f"{FAULT_PLAN_ENV}={path}: {exc}") from None
+
+
+def fired_dir(plan_path: Path) -> Path:
+    return plan_path.with_name(plan_path.name + ".fired")
+
+
+def fired(plan_path: Path) -> dict[int, dict[str, Any]]:
+    """What fired so far: plan index -> the record written when it fired."""
+    records = {}
+    for path in sorted(fired_dir(plan_path).glob("*.json")):
+        records[int(path.stem)] = json.loads(path.read_text())
+    return records
+
+
+class FaultInjector:
+    """The faults of one plan that one rank of one site fires."""
+
+    def __init__(self, plan_path: Path, site: str, rank: int) -> None:
+        self.plan = load_plan(plan_path)
+        self.records = fired_dir(plan_path)
+        self.records.mkdir(exist_ok=True)
+        self.site = site
+        self.pending = [(i, f) for i, f in enumerate(self.plan.faults) if (f.site, f.rank) == (site, rank)]
+
+    def reached(self, round_: int, step: int) -> None:
+        """Fire the faults placed at or before this point that have not fired yet."""
+        due = [(i, f) for i, f in self.pending if f.position <= (round_, step)]
+        for i, fault in due:
+            self.pending.remove((i, fault))
+            if self._claim(i, fault, round_, step):
+                log.warning("fault plan: %s %s at round %d step %d", fault.action, fault.target, round_, step)
+                self._fire(fault)
+
+    def _claim(self, index: int, fault: Fault, round_: int, step: int) -> bool:
+        """Claim the fault for this run of the plan; False when it fired before (a restart)."""
+        try:
+            fd = os.open(self.records / f"{index}.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        record = {"fault": asdict(fault), "round": round_, "step": step, "pid": os.getpid()}
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(record))
+            out.flush()
+            os.fsync(out.fileno())  # the claim must outlive the kill that follows
+        return True
+
+    def _fire(self, fault: Fault) -> None:
+        if fault.action == "kill":
+            if fault.target == "coordinator":
+                os.kill(self.plan.coordinator_pid, signal.SIGKILL)
+                return
+            if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: it goes, and its ranks with it
+                os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        host, _, port = self.plan.links[fault.site].rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=CONTROL_TIMEOUT_S) as conn:
+            conn.sendall((fault.command() + "\n").encode())
+            answer = conn.makefile().readline().strip()
+        if answer != "ok":
+            raise FaultPlanError(f"the WAN proxy refused {fault.command()!r}: {answer}")
+
+
+@functools.cache
+def _injector(site: str, rank: int) -> FaultInjector | None:
+    path = os.environ.get(FAULT_PLAN_ENV)
+    return FaultInjector(Path(path), site, rank) if path else None
+
+
+def at(site: str, rank: int, round_: int, step: int) -> None:
+    """The training loop's hook: fire this rank's faults placed here; without a plan, nothing."""
+    injector = _injector(site, rank)
+    if injector is not None:
+        injector.reached(round_, step)

@@ -1,0 +1,145 @@
+"""Fault plans: validation, placement at (site, rank, round, step), once per plan, and real
+effects (a process SIGKILLed, a real WAN proxy partitioned, delayed and reset)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from geodiloco.faults import Fault, FaultInjector, FaultPlan, FaultPlanError, fired, load_plan
+from geodiloco.wan import ProxyThread
+
+LINK = "127.0.0.1:1"
+
+
+def write_plan(tmp_path: Path, data: dict[str, Any]) -> Path:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"faults": [{"action": "nuke", "site": "a", "round": 1}]}, "faults[0].action: unknown 'nuke'"),
+        (
+            {"faults": [{"action": "kill", "site": "a", "round": -1}]},
+            "faults[0].round: must be an integer >= 0",
+        ),
+        ({"faults": [{"action": "kill", "site": "a"}]}, "faults[0]: "),  # no round
+        (
+            {"faults": [{"action": "drop", "site": "a", "round": 1}]},
+            "faults[0].site: a drop needs links",
+        ),
+        (
+            {"links": {"a": LINK}, "faults": [{"action": "partition", "site": "a", "round": 1}]},
+            "faults[0].seconds: a partition needs a duration > 0",
+        ),
+        (
+            {"faults": [{"action": "kill", "site": "a", "round": 1, "target": "coordinator"}]},
+            "faults[0].target: killing the coordinator needs coordinator_pid",
+        ),
+        ({"fault": []}, "fault: unknown field; accepted: coordinator_pid, faults, links"),
+    ],
+)
+def test_bad_plans_name_the_field(tmp_path: Path, data: dict[str, Any], message: str) -> None:
+    with pytest.raises(FaultPlanError) as err:
+        load_plan(write_plan(tmp_path, data))
+    assert message in str(err.value)
+
+
+def test_plan_round_trips_through_its_file(tmp_path: Path) -> None:
+    plan = FaultPlan(
+        faults=[Fault(action="delay", site="a", round=3, step=2, rank=1, seconds=2.0, delay_ms=50.0)],
+        links={"a": LINK},
+    )
+    plan.write(tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json") == plan
+
+
+def test_link_faults_land_at_their_step_once_even_across_restarts(tmp_path: Path) -> None:
+    with ProxyThread("127.0.0.1:1", control_port=0) as proxy:
+        link = proxy.control_address
+        plan = write_plan(
+            tmp_path,
+            {
+                "links": {"a": link, "b": link},
+                "faults": [
+                    {"action": "partition", "site": "a", "round": 2, "step": 1, "seconds": 30},
+                    {
+                        "action": "delay",
+                        "site": "a",
+                        "rank": 1,
+                        "round": 0,
+                        "step": 0,
+                        "seconds": 30,
+                        "delay_ms": 80,
+                    },
+                    {"action": "drop", "site": "b", "round": 0, "step": 0},
+                ],
+            },
+        )
+        injector = FaultInjector(plan, "a", 0)
+        for position in [(0, 0), (1, 5), (2, 0)]:
+            injector.reached(*position)
+        assert not proxy.proxy.partitioned and fired(plan) == {}  # other sites' and ranks' faults wait
+        injector.reached(2, 1)
+        time.sleep(0.1)
+        assert proxy.proxy.partitioned
+        assert fired(plan)[0]["round"] == 2 and fired(plan)[0]["step"] == 1
+        proxy.heal()
+        again = FaultInjector(plan, "a", 0)  # the site restarted and trains round 2 again
+        again.reached(2, 1)
+        time.sleep(0.1)
+        assert not proxy.proxy.partitioned  # a fault fires once per plan
+        late = FaultInjector(plan, "a", 1)
+        late.reached(1, 3)  # a catch-up skipped (0, 0): it fires at the first step after
+        time.sleep(0.1)
+        assert fired(plan)[1]["round"] == 1 and proxy.proxy.extra_delay_ms(time.monotonic()) == 80
+
+
+KILL_ME = """
+import sys
+from pathlib import Path
+from geodiloco.faults import FaultInjector
+FaultInjector(Path(sys.argv[1]), "a", 0).reached(int(sys.argv[2]), 0)
+print("alive", flush=True)
+"""
+
+
+def test_kill_is_a_sigkill_of_the_site_or_of_the_coordinator(tmp_path: Path) -> None:
+    coordinator = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        plan = write_plan(
+            tmp_path,
+            {
+                "coordinator_pid": coordinator.pid,
+                "faults": [
+                    {"action": "kill", "site": "a", "round": 1},
+                    {"action": "kill", "site": "a", "round": 3, "target": "coordinator"},
+                ],
+            },
+        )
+        env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}  # not under torchrun
+
+        def site(round_: int) -> subprocess.CompletedProcess[str]:
+            argv = [sys.executable, "-c", KILL_ME, str(plan), str(round_)]
+            return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+
+        assert site(0).stdout == "alive\n"  # before its round
+        assert site(1).returncode == -9  # killed where placed
+        assert site(1).stdout == "alive\n"  # restarted: it fired already
+        assert site(3).stdout == "alive\n"
+        assert coordinator.wait(10) == -9
+        assert sorted(fired(plan)) == [0, 1]
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+            coordinator.wait()
