@@ -20,6 +20,8 @@ class ErrorFeedback:
 
     def compensate(self, value: torch.Tensor) -> torch.Tensor:
         """The value to send this time: the new value plus (decayed) what earlier sends dropped."""
+        if self.residual.device != value.device:  # the residual lives with the values (a GPU site's)
+            self.residual = self.residual.to(value.device)
         return torch.add(value, self.residual, alpha=self.decay)
 
     def record(self, sent: torch.Tensor, decoded: torch.Tensor) -> None:

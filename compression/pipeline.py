@@ -179,7 +179,7 @@ class Pipeline:
         return 8.0 * (envelope.HEADER_SIZE + self.raw_size(numel)) / max(numel, 1)
 
     def encode(self, x: torch.Tensor, place: Place | None = None) -> bytes:
-        x = x.detach().reshape(-1).to(torch.float32)
+        x = x.detach().reshape(-1).to("cpu", torch.float32)  # a GPU site's values: coded on the host
         prefix = b""
         if self.sparsifier is None:
             raw = self.values.encode(x)

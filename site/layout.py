@@ -4,12 +4,19 @@ Each site chooses its own layout (``geodiloco site run --layout fsdp``); the wir
 it. Parallelism is applied with plain functions on an ordinary ``nn.Module``, in the order
 torchtitan uses: tensor parallel first, then FSDP2 over the data-parallel dims (HSDP when some
 of them replicate), or DDP when every rank holds the whole model.
+
+Mixed precision as people run it: ``bf16`` is FSDP2's ``MixedPrecisionPolicy`` (bf16 compute
+parameters, fp32 gradient reduction) when the layout shards, else bf16 autocast around the
+forward (DDP, TP). ``fp8`` adds torchao's float8 training linears (GPUs of compute capability
+8.9 or newer) on top of bf16. The parameters the optimizer and the outer sync see stay fp32.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +27,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 PRESETS = ("ddp", "fsdp", "hsdp", "tp", "fsdp+tp")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp8")
+FP8_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper onwards
+FP8_MULTIPLE = 16  # torchao float8 matmuls need both dims of a weight divisible by 16
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 
 
@@ -30,7 +39,7 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """dp_replicate x dp_shard x tp = the site's ranks; ``mixed_precision`` applies to FSDP2."""
+    """dp_replicate x dp_shard x tp = the site's ranks; ``mixed_precision``: fp32, bf16 or fp8."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -77,8 +86,8 @@ class ParallelConfig:
             raise LayoutError(
                 f"mixed-precision: {self.mixed_precision!r} is not one of {', '.join(PRECISIONS)}"
             )
-        if self.mixed_precision != "fp32" and self.dp_shard == 1:
-            raise LayoutError("mixed-precision: bf16 is applied by FSDP2; use a layout with dp_shard > 1")
+        if self.mixed_precision == "fp8" and self.tp > 1:
+            raise LayoutError("mixed-precision: fp8 is not supported with tensor parallel (tp > 1) yet")
 
     @property
     def data_parallel(self) -> int:
@@ -94,10 +103,61 @@ class ParallelConfig:
         return "ddp"
 
 
-def build_mesh(config: ParallelConfig) -> DeviceMesh:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+def build_mesh(config: ParallelConfig, device_type: str | None = None) -> DeviceMesh:
+    """The site's mesh on ``device_type`` (default: cuda when torch sees it, else cpu)."""
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
     sizes = (config.dp_replicate, config.dp_shard, config.tp)
-    return init_device_mesh(device, sizes, mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
+
+
+def precision_problem(precision: str, device: torch.device) -> str | None:
+    """Why ``precision`` cannot run on ``device`` (None: it can). Asks CUDA only for fp8 on a
+    CUDA device."""
+    if precision != "fp8":
+        return None
+    if device.type != "cuda":
+        return f"mixed-precision: fp8 needs a CUDA GPU of compute capability 8.9 or newer, not {device.type}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_CAPABILITY:
+        return (
+            f"mixed-precision: fp8 needs compute capability 8.9 or newer; "
+            f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}"
+        )
+    if importlib.util.find_spec("torchao") is None:
+        return "mixed-precision: fp8 needs torchao (pip install 'geodiloco[fp8]')"
+    return None
+
+
+def apply_float8(model: nn.Module) -> int:
+    """Swap every linear layer whose dims fit float8 matmuls for torchao's float8 training linear
+    (weights stay fp32; casts happen inside the matmul); returns how many were swapped."""
+    from torchao.float8 import convert_to_float8_training  # optional extra: geodiloco[fp8]
+
+    def fits(module: nn.Module, _name: str) -> bool:
+        return (
+            isinstance(module, nn.Linear)
+            and module.in_features % FP8_MULTIPLE == 0
+            and module.out_features % FP8_MULTIPLE == 0
+        )
+
+    swapped = sum(1 for name, m in model.named_modules() if fits(m, name))
+    convert_to_float8_training(model, module_filter_fn=fits)
+    return swapped
+
+
+class Autocast(nn.Module):
+    """Runs the wrapped module's forward under bf16 autocast (DDP and TP sites); the parameters,
+    gradients and optimizer state stay fp32. Its ``module.`` prefix is not canonical."""
+
+    def __init__(self, module: nn.Module, device_type: str) -> None:
+        super().__init__()
+        self.module = module
+        self.device_type = device_type
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=torch.bfloat16):
+            return self.module(*args, **kwargs)
 
 
 def data_parallel_rank(mesh: DeviceMesh) -> int:
@@ -122,7 +182,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str) -> None:
     """FSDP2 per block, then the root (its own parameters: embeddings, final norm)."""
     policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if mixed_precision == "bf16" else None, reduce_dtype=torch.float32
+        param_dtype=torch.bfloat16 if mixed_precision != "fp32" else None, reduce_dtype=torch.float32
     )
     for block in getattr(model, "blocks", []):
         fully_shard(block, mesh=mesh, mp_policy=policy)
@@ -130,19 +190,25 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str) -> None
 
 
 def parallelize(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
-    """Apply the layout; returns the module to call in training (a DDP wrapper for ``ddp``).
+    """Apply the layout and precision to ``model`` (on its device already); returns the module to
+    call in training (a DDP wrapper for ``ddp``, an autocast one for bf16 without FSDP2).
 
-    Parameters keep their canonical names: FSDP2 and TP change them in place, DDP adds only a
-    ``module.`` prefix that :func:`geodiloco.params.canonical_name` strips."""
+    Parameters keep their canonical names: FSDP2 and TP change them in place, DDP and autocast
+    add only a ``module.`` prefix that :func:`geodiloco.params.canonical_name` strips."""
+    if config.mixed_precision == "fp8":
+        apply_float8(model)  # before TP and FSDP2, as torchao asks
     if config.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     if config.dp_shard > 1:
         dims = ("dp_replicate", "dp_shard") if config.dp_replicate > 1 else ("dp_shard",)
         apply_fsdp(model, mesh[dims], config.mixed_precision)
         return model
+    trained: nn.Module = model
     if config.dp_replicate > 1:
-        return DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group())
-    return model
+        trained = DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group())
+    if config.mixed_precision != "fp32":
+        trained = Autocast(trained, mesh.device_type)
+    return trained
 
 
 def layout_summary(config: ParallelConfig) -> str:

@@ -29,10 +29,9 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from geodiloco.compression import EncodedChunk, ErrorFeedback, Place, parse_pipeline
+from geodiloco.compression import ErrorFeedback, Place, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.params import HASH_BLOCK, Checksum
 from geodiloco.security.tls import TlsFiles
@@ -43,6 +42,7 @@ from geodiloco.site.client import (
     PulledPart,
     WireChunk,
 )
+from geodiloco.site.group import SiteGroup
 from geodiloco.site.shards import ShardMap, subview
 
 log = logging.getLogger("geodiloco.site")
@@ -68,60 +68,6 @@ def _outcome(exc: Exception) -> Outcome:
         if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
             return Outcome.RESYNC
     return Outcome.FAILED
-
-
-class SiteGroup:
-    """The collectives the ranks of one site use to agree and to pass chunks (no-ops alone)."""
-
-    def __init__(self) -> None:
-        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
-
-    def agree(self, outcome: Outcome) -> Outcome:
-        if not self.distributed:
-            return outcome
-        t = torch.tensor([int(outcome)], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return Outcome(int(t.item()))
-
-    def broadcast(self, obj: T, src: int = 0) -> T:
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
-
-    def gather(self, obj: T) -> list[T]:
-        if not self.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def sum(self, value: int) -> int:
-        if not self.distributed:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t)
-        return int(t.item())
-
-    def share_chunk(self, chunk: EncodedChunk | None, src: int) -> EncodedChunk:
-        """The chunk rank ``src`` pulled, on every rank (compressed bytes, one chunk at a time)."""
-        if not self.distributed:
-            assert chunk is not None
-            return chunk
-        head = torch.zeros(3, dtype=torch.int64)
-        if chunk is not None:
-            head[:] = torch.tensor([chunk.start, chunk.numel, len(chunk.payload)])
-        dist.broadcast(head, src=src)
-        start, numel, size = (int(v) for v in head)
-        body = torch.empty(size, dtype=torch.uint8)
-        if chunk is not None and size:
-            body.copy_(torch.frombuffer(bytearray(chunk.payload), dtype=torch.uint8))
-        if size:
-            dist.broadcast(body, src=src)
-        return chunk if chunk is not None else EncodedChunk(start, numel, body.numpy().tobytes())
 
 
 @dataclass(slots=True)

@@ -147,6 +147,11 @@ class ShardMap:
         self.num_params = offset
 
     @property
+    def device(self) -> torch.device:
+        """Where the rank's pieces live (the model's device; CPU for a model without parameters)."""
+        return self.pieces[0].local.device if self.pieces else torch.device("cpu")
+
+    @property
     def owned_numel(self) -> int:
         return sum(o.segment.numel for o in self.owned)
 
@@ -161,8 +166,8 @@ class ShardMap:
             yield o, base[o.rows, o.cols]
 
     def gather_owned(self, tensors: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """The owned elements, concatenated in canonical order (fp32)."""
-        out = torch.empty(self.owned_numel, dtype=torch.float32)
+        """The owned elements, concatenated in canonical order (fp32, on the pieces' device)."""
+        out = torch.empty(self.owned_numel, dtype=torch.float32, device=self.device)
         at = 0
         for o, view in self.owned_views(tensors):
             n = o.segment.numel
@@ -195,6 +200,8 @@ class ShardMap:
         """Write (or ``add``) the canonical elements ``[start, start + len(values))`` into ``targets``
         (laid out like the pieces) wherever this rank holds them; returns how many it wrote."""
         end = start + values.numel()
+        if targets and values.device != targets[0].device:  # decoded on the host, applied on the device
+            values = values.to(targets[0].device)
         written = 0
         for i, piece in enumerate(self.pieces):
             seg = piece.segment

@@ -1,8 +1,8 @@
-"""One rank of a site: the daemon's training loop (started by torchrun).
+"""One rank of a site: the daemon's training loop (started by torchrun, on one or many nodes).
 
-Reads top to bottom: join, build the run's model, optimizer and data with the builders its
-config names (``workload.*``; the reference workload by default), attach, then H inner steps
-and one outer sync per round.
+Reads top to bottom: join, build the run's model on the rank's device (``LOCAL_RANK``'s GPU, or
+the CPU), its optimizer and data with the builders its config names (``workload.*``; the
+reference workload by default), attach, then H inner steps and one outer sync per round.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +24,8 @@ import torch.distributed as dist
 
 import geodiloco.site.checkpoint as checkpoint
 from geodiloco import faults, logs
-from geodiloco.builders import build_data, build_model, build_optimizer
-from geodiloco.distributed import init_distributed, shutdown_distributed
+from geodiloco.builders import Batch, build_data, build_model, build_optimizer
+from geodiloco.distributed import DEVICES, init_rank, shutdown_distributed
 from geodiloco.lifecycle import GracefulStop
 from geodiloco.logs import setup_logging
 from geodiloco.metrics import SiteTelemetry
@@ -32,11 +33,13 @@ from geodiloco.security.secrets import load_secret
 from geodiloco.security.tls import TlsFiles
 from geodiloco.site.layout import (
     PRECISIONS,
+    LayoutError,
     ParallelConfig,
     build_mesh,
     data_parallel_rank,
     layout_summary,
     parallelize,
+    precision_problem,
 )
 from geodiloco.site.outer_sync import OuterSync
 from geodiloco.workload.steps import evaluate_batches, inner_step
@@ -52,6 +55,18 @@ class SiteOptions:
     layout: ParallelConfig
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0  # rounds; 0: only on SIGTERM (when checkpoint_dir is set)
+    device: str = "auto"  # auto, cpu or cuda (LOCAL_RANK's GPU)
+
+
+def on_device(batch: Batch, device: torch.device) -> Batch:
+    """A batch on the rank's device (pinned and copied asynchronously to a GPU)."""
+    if device.type == "cpu":
+        return batch
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
+
+
+def batches_on(batches: Iterable[Batch], device: torch.device) -> Iterator[Batch]:
+    return (on_device(b, device) for b in batches)
 
 
 def resume(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sync: OuterSync) -> None:
@@ -89,10 +104,14 @@ def resume(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 def train(
     coordinator: str, site: str, tls: TlsFiles | None, site_secret: bytes | None, options: SiteOptions
 ) -> None:
-    rank, world = init_distributed()
+    ctx = init_rank(options.device)
+    rank, world, device = ctx.rank, ctx.world, ctx.device
     layout = options.layout
+    problem = precision_problem(layout.mixed_precision, device)
+    if problem is not None:
+        raise LayoutError(problem)
     stop = GracefulStop.install()  # ops: SIGTERM leaves at the next step
-    mesh = build_mesh(layout)
+    mesh = build_mesh(layout, device.type)
     sync = OuterSync.connect(
         coordinator, site, tls=tls, site_secret=site_secret, data_parallel_size=layout.data_parallel
     )
@@ -101,11 +120,11 @@ def train(
     telemetry = SiteTelemetry.start(  # ops: metrics and progress (rank 0)
         site, rank, cfg.rounds * cfg.inner.steps_per_round, lambda: (sync.bytes_sent, sync.bytes_received)
     )
-    model = build_model(cfg)
+    model = build_model(cfg).to(device)
     trained = parallelize(model, layout, mesh)
     sync.attach(model)
     if rank == 0:
-        log.info("layout: %s", layout_summary(layout))
+        log.info("layout: %s on %s", layout_summary(layout), device.type)
     optimizer = build_optimizer(model, cfg)
     found = checkpoint.latest(options.checkpoint_dir) if options.checkpoint_dir else None
     if found is not None and not sync.finished:
@@ -123,7 +142,7 @@ def train(
             break
         faults.at(site, rank, sync.round, sync.steps_in_round)  # tests: a fault plan's faults, if any
         step = sync.round * cfg.inner.steps_per_round + sync.steps_in_round
-        batch = data.batch(sync.data, sync.steps_in_round, dp_rank, dp)  # the ledger's data this round
+        batch = on_device(data.batch(sync.data, sync.steps_in_round, dp_rank, dp), device)  # ledger's data
         tokens = data.tokens(batch)
         step_started = time.perf_counter()  # ops
         losses.append(inner_step(trained, optimizer, cfg.inner, step, *batch))
@@ -133,7 +152,9 @@ def train(
         if not sync.step(tokens=tokens):
             continue
         sync_s = time.perf_counter() - sync_started  # ops
-        eval_sum, eval_count = evaluate_batches(trained, data.eval_batches(eval_part, eval_parts))
+        eval_sum, eval_count = evaluate_batches(
+            trained, batches_on(data.eval_batches(eval_part, eval_parts), device)
+        )
         totals = torch.tensor([eval_sum, float(eval_count), sum(losses) / len(losses)], dtype=torch.float64)
         dist.all_reduce(totals)
         totals[:2] /= layout.tp  # tensor-parallel ranks evaluated the same slice
@@ -182,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mixed-precision", default="fp32", choices=PRECISIONS)
     parser.add_argument("--checkpoint-dir", type=Path)
     parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--device", default="auto", choices=DEVICES)
     args = parser.parse_args(argv)
     die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
@@ -189,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     layout = ParallelConfig.parse(args.layout, int(os.environ.get("WORLD_SIZE", "1")), args.mixed_precision)
     tls = TlsFiles(*args.tls) if args.tls else None
     secret = load_secret(args.secret) if args.secret else None  # every rank pushes its own part
-    options = SiteOptions(layout, args.checkpoint_dir, args.checkpoint_every)
+    options = SiteOptions(layout, args.checkpoint_dir, args.checkpoint_every, args.device)
     train(args.coordinator, args.site, tls, secret, options)
 
 

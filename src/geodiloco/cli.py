@@ -169,14 +169,33 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--name", required=True, help="this site's name, as listed in the run's config")
     run.add_argument("--coordinator", default=DEFAULT_TARGET, help=f"host:port (default {DEFAULT_TARGET})")
     run.add_argument("--nproc", type=_positive_int, default=2, help="local ranks (default 2)")
+    run.add_argument("--nnodes", type=_positive_int, default=1, help="machines this site spans (default 1)")
+    run.add_argument(
+        "--node-rank", type=int, default=0, help="this machine's index; node 0 hosts the rendezvous"
+    )
+    run.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="node 0's address and a free port, the same on every node (torchrun's c10d rendezvous)",
+    )
+    run.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where each rank trains: its LOCAL_RANK's GPU (cuda), the CPU, or auto (default)",
+    )
     run.add_argument(
         "--layout",
         default="ddp",
         help="parallel layout of the ranks: ddp (default), fsdp, hsdp, tp, fsdp+tp, or "
-        "dp_replicate=R,dp_shard=S,tp=T (product = --nproc)",
+        "dp_replicate=R,dp_shard=S,tp=T (product = --nproc x --nnodes)",
     )
     run.add_argument(
-        "--mixed-precision", default="fp32", choices=("fp32", "bf16"), help="FSDP2 parameter dtype"
+        "--mixed-precision",
+        default="fp32",
+        choices=("fp32", "bf16", "fp8"),
+        help="bf16: FSDP2 bf16 parameters with fp32 reduction, or bf16 autocast (ddp, tp); "
+        "fp8: torchao float8 linears on GPUs of compute capability 8.9+ (geodiloco[fp8])",
     )
     run.add_argument(
         "--checkpoint-dir",
@@ -365,13 +384,19 @@ def _site_run(args: argparse.Namespace) -> int:
             load_secret(args.secret)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+    from geodiloco.site.launcher import Nodes, NodesError
     from geodiloco.site.layout import LayoutError, ParallelConfig
 
     try:
-        ParallelConfig.parse(args.layout, args.nproc, args.mixed_precision)
-    except LayoutError as exc:
+        nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, rdzv_id=args.name)
+        ParallelConfig.parse(args.layout, args.nproc * args.nnodes, args.mixed_precision)
+    except (LayoutError, NodesError) as exc:
         raise UsageError(f"--{exc}") from None
-    extra = ["--layout", args.layout, "--mixed-precision", args.mixed_precision]
+    if args.mixed_precision == "fp8" and args.device == "cpu":  # each GPU rank checks its own GPU
+        raise UsageError(
+            "--mixed-precision: fp8 needs a CUDA GPU of compute capability 8.9 or newer, not cpu"
+        )
+    extra = ["--layout", args.layout, "--mixed-precision", args.mixed_precision, "--device", args.device]
     if args.checkpoint_every and args.checkpoint_dir is None:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
     if args.checkpoint_dir is not None:
@@ -386,7 +411,7 @@ def _site_run(args: argparse.Namespace) -> int:
         check_admitted(args.coordinator, args.name, tls)
     except NotAdmitted as exc:
         raise UsageError(str(exc)) from None
-    return run_site(args.coordinator, args.name, args.nproc, tls, args.secret, extra)
+    return run_site(args.coordinator, args.name, args.nproc, tls, args.secret, extra, nodes)
 
 
 def _certs(args: argparse.Namespace) -> int:

@@ -63,7 +63,7 @@ HASH_BLOCK = 1 << 12  # elements hashed at a time: bounds the scratch memory (~2
 def _mix(positions: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
     """Sums of the low and high halves of splitmix64(index, fp32 bits) over a block, computed
     in place on ``positions`` with one scratch buffer (int64 arithmetic wraps around)."""
-    x = positions.mul_(_GOLDEN)
+    x = positions.to(values.device).mul_(_GOLDEN)  # integer arithmetic: the same bits on any device
     scratch = values.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
     x += scratch.bitwise_and_(_LOW32)
     for bits, factor in ((30, _MIX1), (27, _MIX2), (31, 1)):

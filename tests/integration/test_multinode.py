@@ -1,0 +1,95 @@
+"""A site that spans two "nodes" next to a one-node site, on loopback.
+
+Site ``site-multi`` is two ``geodiloco site run`` processes (2 ranks each) that meet through
+torchrun's c10d rendezvous and train as one FSDP2 group of 4 ranks; ``site-single`` is one
+process of 2 DDP ranks. The run's quorum is every site, so rounds wait for ``site-multi``.
+Node 1 is SIGKILLed (launcher, torchrun and ranks, as if its machine died) once a checkpoint
+is on disk: node 0 must fail too (the site fails as a whole), and the site comes back on one
+node of 2 ranks from the 4-rank checkpoint, rejoins and finishes. Every round, both sites'
+hashes agree with the coordinator's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from geodiloco.site.checkpoint import read_meta
+from geodiloco.status import fetch_status, request_shutdown
+from helpers import (
+    free_port,
+    kill_tree,
+    ledger_problems,
+    round_log,
+    spawn_geodiloco,
+    start_coordinator_process,
+    tiny_config,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SITES = ["site-multi", "site-single"]
+ROUNDS = 6
+
+
+def site_args(name: str, target: str, *extra: str) -> list[str]:
+    return ["site", "run", "--name", name, "--coordinator", target, "--insecure", "--device", "cpu", *extra]
+
+
+def test_two_node_site_agrees_fails_as_a_whole_and_resumes_on_one_node(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=ROUNDS, sites=SITES, lease_s=4.0, inner__steps_per_round=16)
+    coordinator, target = start_coordinator_process(cfg, tmp_path)
+    ckpt, rdzv = tmp_path / "ckpt", f"127.0.0.1:{free_port()}"
+    multi = ["--layout", "fsdp", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+
+    def node(rank: int) -> list[str]:
+        return ["--nproc", "2", "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", rdzv]
+
+    logs = {k: tmp_path / f"{k}.log" for k in ("node0", "node1", "single", "again")}
+    procs = {
+        "single": spawn_geodiloco(site_args("site-single", target, "--nproc", "2"), logs["single"]),
+        "node0": spawn_geodiloco(site_args("site-multi", target, *node(0), *multi), logs["node0"]),
+        "node1": spawn_geodiloco(site_args("site-multi", target, *node(1), *multi), logs["node1"]),
+    }
+    try:
+        deadline = time.monotonic() + 300
+        while not list(ckpt.glob("round-000002-*/site.json")):
+            assert time.monotonic() < deadline, logs["node0"].read_text()[-3000:]
+            for name in ("node0", "node1"):
+                assert procs[name].poll() is None, logs[name].read_text()[-3000:]
+            time.sleep(0.2)
+        both = logs["node0"].read_text() + logs["node1"].read_text()
+        assert "layout: fsdp over 4 ranks" in both  # one group of both nodes' ranks
+        kill_tree(procs["node1"])  # the machine of node 1 dies
+        assert procs["node0"].wait(timeout=180) != 0, "node 0 went on without node 1"
+        saved = read_meta(sorted(ckpt.glob("round-*/site.json"))[-1].parent)
+        assert saved.ranks == 4
+
+        procs["multi"] = spawn_geodiloco(  # back on one node: 2 ranks, from the 4-rank checkpoint
+            site_args("site-multi", target, "--nproc", "2", *multi), logs["again"]
+        )
+        for name in ("single", "multi"):
+            log = logs["again" if name == "multi" else name]
+            assert procs[name].wait(timeout=400) == 0, log.read_text()[-3000:]
+        assert "resumed from round-0000" in logs["again"].read_text()
+        assert "4 ranks before, 2 now" in logs["again"].read_text()
+        resumed = json.loads((ckpt / "resumed.json").read_text())
+        assert resumed["ranks"] == 2 and resumed["checkpoint"].startswith("round-0000")
+
+        status = fetch_status(target, None)
+        assert status.finished and [h.round for h in status.history] == list(range(ROUNDS))
+        for record in status.history:  # the quorum is every site: both in every round
+            assert sorted(record.contributors) == SITES
+            assert record.hash_reports == 2 and record.hashes_agree, record
+        for site in status.sites:
+            assert site.hash_ok and site.rejected == 0, site
+        assert ledger_problems(round_log(tmp_path / "coord"), cfg) == []
+        request_shutdown(target, None)
+        assert coordinator.wait(timeout=30) == 0
+    finally:
+        for proc in (*procs.values(), coordinator):
+            if proc.poll() is None:
+                kill_tree(proc)
