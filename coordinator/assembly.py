@@ -9,14 +9,14 @@ breaks gives back what it claimed, so its retry starts clean.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from geodiloco.config import LimitsConfig
 from geodiloco.coordinator.errors import InvalidArgument, Unavailable
 from geodiloco.segment import Segment
 from geodiloco.workload.data import DataRange
-
-MAX_PARTS = 4096
 
 
 @dataclass(slots=True)
@@ -91,6 +91,29 @@ class Assembly:
             raise InvalidArgument(
                 f"all {self.parts} parts arrived but {missing} of {self.covered.numel()} elements are missing"
             )
+
+
+def check_declared(limits: LimitsConfig, chunk: Any, num_params: int) -> None:
+    """The counts the first chunk of a push declares, against the run's limits."""
+    if not 0 < chunk.tokens <= limits.max_tokens:
+        raise InvalidArgument(
+            f"tokens must be in [1, {limits.max_tokens}] (limits.max_tokens), got {chunk.tokens}"
+        )
+    most = min(limits.max_chunks_per_part, num_params)
+    if not 0 < chunk.total_chunks <= most:
+        raise InvalidArgument(
+            f"total_chunks {chunk.total_chunks} is out of range [1, {most}] "
+            "(limits.max_chunks_per_part, and at most one chunk per parameter)"
+        )
+    parts = chunk.parts or 1
+    if not 0 < parts <= limits.max_parts or chunk.part >= parts:
+        raise InvalidArgument(
+            f"part {chunk.part} of {parts} is out of range (limits.max_parts {limits.max_parts})"
+        )
+    if len(chunk.data) > limits.max_data_ranges:
+        raise InvalidArgument(
+            f"{len(chunk.data)} data ranges exceed limits.max_data_ranges {limits.max_data_ranges}"
+        )
 
 
 def check_segment(segment: Segment, num_params: int, chunk_elements: int, seq: int) -> None:

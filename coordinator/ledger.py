@@ -17,6 +17,10 @@ from typing import Any
 from geodiloco.workload.data import DataRange
 
 
+class LedgerExhausted(ValueError):
+    """The free shards cannot hold a site's windows for one round next to the other sites'."""
+
+
 @dataclass(slots=True)
 class ShardState:
     size: int  # windows
@@ -50,9 +54,23 @@ class DataLedger:
         return self.reservations.get(site)
 
     def reserve(self, site: str, windows: int) -> list[DataRange]:
-        """The site's windows for its next round (the same answer until the round is settled)."""
+        """The site's windows for its next round (the same answer until the round is settled).
+
+        All or nothing: when the free shards cannot hold ``windows``, nothing changes and
+        :class:`LedgerExhausted` says so (a site declaring more ranks than the data can feed)."""
         if site in self.reservations:
             return self.reservations[site]
+        saved = [(s.consumed, s.epoch, s.owner) for s in self.shards]
+        try:
+            ranges = self._take(site, windows)
+        except LedgerExhausted:
+            for shard, (consumed, epoch, owner) in zip(self.shards, saved, strict=True):
+                shard.consumed, shard.epoch, shard.owner = consumed, epoch, owner
+            raise
+        self.reservations[site] = ranges
+        return ranges
+
+    def _take(self, site: str, windows: int) -> list[DataRange]:
         ranges: list[DataRange] = []
         while windows > 0:
             index = self._next_shard(site, exclude={r.shard for r in ranges})
@@ -62,7 +80,6 @@ class DataLedger:
             windows -= take
             if shard.consumed + take == shard.size:
                 shard.owner = None  # fully reserved: the next round continues elsewhere
-        self.reservations[site] = ranges
         return ranges
 
     def _next_shard(self, site: str, exclude: set[int]) -> int:
@@ -73,10 +90,19 @@ class DataLedger:
                 if shard.owner == want_owner and shard.consumed < shard.size and i not in reserved:
                     shard.owner = site
                     return i
+        # a large site can outrun its own shards: continue another site's, rather than start an
+        # epoch early (cursors only move forward, so every window is still consumed once)
+        for i, shard in enumerate(self.shards):
+            if shard.consumed < shard.size and i not in reserved:
+                shard.owner = site
+                return i
         # every shard is used up (or reserved): start the next pass over the least-recent one
         candidates = [i for i, s in enumerate(self.shards) if s.consumed == s.size and i not in reserved]
         if not candidates:
-            raise RuntimeError("no data shard is free: more sites than shards")
+            raise LedgerExhausted(
+                f"no data shard is free ({len(self.shards)} shards, {self.progress()[1]} windows, "
+                f"{len(self.reservations)} other sites holding reservations)"
+            )
         index = min(candidates, key=lambda i: (self.shards[i].epoch, i))
         shard = self.shards[index]
         shard.consumed, shard.epoch, shard.owner = 0, shard.epoch + 1, site
@@ -103,6 +129,12 @@ class DataLedger:
         for shard in self.shards:
             if shard.owner == site:
                 shard.owner = None
+
+    def can_feed(self, demands: list[int]) -> bool:
+        """Whether sites needing ``demands`` windows per round can each be reserved every round:
+        the demands plus one shard each (a reservation's partial last shard) fit in the data."""
+        largest = max(s.size for s in self.shards)
+        return sum(d + largest for d in demands) <= sum(s.size for s in self.shards)
 
     def progress(self) -> tuple[int, int]:
         """(windows consumed in the current epochs, windows in all shards)."""

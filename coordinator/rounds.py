@@ -32,7 +32,7 @@ from geodiloco.coordinator.errors import (
     LateContribution,
     PermissionDenied,
 )
-from geodiloco.coordinator.ledger import DataLedger
+from geodiloco.coordinator.ledger import DataLedger, LedgerExhausted
 from geodiloco.coordinator.outer_optimizer import build_outer_optimizer
 from geodiloco.coordinator.reports import REPORT_LOG, HashReport, append_report, read_reports
 from geodiloco.params import state_hash
@@ -188,12 +188,32 @@ class RoundController:
         return record
 
     async def join(self, name: str, run_id: str, world_size: int = 1) -> SiteRecord:
+        """Admit a site; its declared ``world_size`` (0: one rank) must fit the limits and the
+        data, else nothing changes and the refusal says why."""
         self.check_run(run_id)
         record = self.site(name)
-        record.state, record.last_seen = "joined", time.monotonic()
-        record.world_size = max(1, world_size)
+        world = max(1, world_size)
+        limit = self.cfg.limits.max_world_size
+        if world > limit:
+            raise InvalidArgument(f"world_size {world_size} exceeds limits.max_world_size {limit}")
         if not self.finished:
-            self.ledger.reserve(name, self.windows_per_round(record))
+            windows = self.windows_for(world)
+            others = [
+                self.windows_per_round(s)
+                for s in self.sites.values()
+                if s.state == "joined" and s.name != name
+            ]
+            try:
+                if not self.ledger.can_feed([*others, windows]):
+                    raise LedgerExhausted(f"the data holds {self.ledger.progress()[1]} windows")
+                self.ledger.reserve(name, windows)
+            except LedgerExhausted as exc:
+                raise InvalidArgument(
+                    f"world_size {world} needs {windows} data windows per round "
+                    f"(inner.steps_per_round x world_size x data.batch_size), more than the data "
+                    f"can feed every round next to the other sites' {sum(others)}: {exc}"
+                ) from None
+        record.state, record.last_seen, record.world_size = "joined", time.monotonic(), world
         log.info("site %s joined at round %d (shard %d)", name, self.round, record.shard_index)
         await self._notify()
         return record
@@ -209,7 +229,19 @@ class RoundController:
         await self._maybe_close()
 
     def windows_per_round(self, record: SiteRecord) -> int:
-        return self.cfg.inner.steps_per_round * record.world_size * self.cfg.data.batch_size
+        return self.windows_for(record.world_size)
+
+    def windows_for(self, world_size: int) -> int:
+        return self.cfg.inner.steps_per_round * world_size * self.cfg.data.batch_size
+
+    def _reserve_next_round(self) -> None:
+        """Reserve the live sites' windows for the round just opened. A site the data cannot
+        feed any more gets none (it is refused when it pushes); the commit goes on."""
+        for name in sorted(self.live_sites()):
+            try:
+                self.ledger.reserve(name, self.windows_per_round(self.sites[name]))
+            except LedgerExhausted as exc:
+                log.error("round %d: no data for site %s: %s", self.round, name, exc)
 
     def data_for(self, name: str) -> list[DataRange]:
         """The windows the site trains on in the current round (empty once the run is over)."""
@@ -219,7 +251,10 @@ class RoundController:
         """A contribution must have trained on exactly the windows the ledger reserved for it."""
         expected = self.ledger.reservation(name)
         if expected is None:
-            expected = self.ledger.reserve(name, self.windows_per_round(self.sites[name]))
+            try:
+                expected = self.ledger.reserve(name, self.windows_per_round(self.sites[name]))
+            except LedgerExhausted as exc:
+                raise FailedPrecondition(f"site {name!r} has no data reserved this round: {exc}") from None
         if data != expected:
             raise FailedPrecondition(
                 f"site {name!r} trained on {_ranges(data)}, "
@@ -353,8 +388,7 @@ class RoundController:
         self.history.append(record)
         self.round += 1
         if not self.finished:
-            for name in sorted(self.live_sites()):
-                self.ledger.reserve(name, self.windows_per_round(self.sites[name]))
+            self._reserve_next_round()
         self.mean = WeightedMean(self.num_params)
         self.round_opened = time.monotonic()
         self.first_contribution = None

@@ -20,7 +20,7 @@ from google.protobuf.message import Message
 
 from geodiloco import __version__
 from geodiloco.compression import CodecError, EncodedChunk, Place
-from geodiloco.coordinator.assembly import MAX_PARTS, Assembly, check_segment
+from geodiloco.coordinator.assembly import Assembly, check_declared, check_segment
 from geodiloco.coordinator.errors import (
     CoordinatorError,
     DeadlineExceeded,
@@ -173,6 +173,9 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         async def handle() -> Any:
             if request.eval_count and not math.isfinite(request.eval_loss_sum):
                 raise InvalidArgument("eval_loss_sum must be finite")
+            limit = self.c.cfg.limits.max_tokens
+            if request.eval_count > limit or request.tokens > limit:
+                raise InvalidArgument(f"eval_count or tokens exceeds limits.max_tokens {limit}")
             ok, expected = await self.c.report(
                 request.site,
                 request.run_id,
@@ -287,13 +290,8 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             raise InvalidArgument(f"fragment {h.fragment} does not exist; this run has one fragment (0)")
         if h.codec != self.c.uplink.spec:
             raise InvalidArgument(f"codec {h.codec!r} is not this run's uplink codec {self.c.uplink.spec!r}")
-        if chunk.tokens <= 0:
-            raise InvalidArgument("tokens must be > 0")
-        if not 0 < chunk.total_chunks <= self.c.num_params:
-            raise InvalidArgument(f"total_chunks {chunk.total_chunks} is out of range")
+        check_declared(self.c.cfg.limits, chunk, self.c.num_params)
         parts = chunk.parts or 1
-        if not 0 < parts <= MAX_PARTS or chunk.part >= parts:
-            raise InvalidArgument(f"part {chunk.part} of {parts} is out of range (at most {MAX_PARTS} parts)")
         opened = self._open(chunk)
         for key in [k for k in self.assemblies if k[1] < self.c.round]:  # rounds that closed
             del self.assemblies[key]
@@ -358,8 +356,11 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             require_site(self.security, context, request.site)
             self._count(request.site, received=request)
             self.c.member(request.site, request.run_id)
-            if not 0 <= request.part < max(request.parts, 1) <= MAX_PARTS:
-                raise InvalidArgument(f"part {request.part} of {request.parts} is out of range")
+            limit = self.c.cfg.limits.max_parts
+            if not 0 <= request.part < max(request.parts, 1) <= limit:
+                raise InvalidArgument(
+                    f"part {request.part} of {request.parts} is out of range (limits.max_parts {limit})"
+                )
             if kind == outer_sync_pb2.PullRequest.UPDATE:
                 update = await self._wait_for_update(request.round, request.site)
                 if update is not None:

@@ -147,6 +147,12 @@ class LimitsConfig:
     max_delta_norm_ratio: float = 1.0  # ‖Δ_k‖ <= ratio · ‖θ_r‖ (a site moved the whole model); 0: off
     chunk_timeout_s: float = 60.0  # longest wait for the next chunk of a push
     joins_per_minute: int = 30  # per peer (certificate identity, or address without TLS)
+    # Counts a site declares: each is checked before anything it sized is allocated or changed.
+    max_world_size: int = 4096  # ranks (data-parallel replicas) a site may declare at Join
+    max_parts: int = 4096  # parts of one push, and pullers of one update (one per rank)
+    max_chunks_per_part: int = 1 << 20  # chunks one push stream may declare
+    max_data_ranges: int = 1024  # data ranges one push may name
+    max_tokens: int = 1 << 40  # tokens of one push or report, and eval sequences of one report
 
     def __post_init__(self) -> None:
         _require(
@@ -157,6 +163,9 @@ class LimitsConfig:
         _require(self.max_delta_norm_ratio >= 0, "limits.max_delta_norm_ratio", "must be >= 0 (0 disables)")
         _require(self.chunk_timeout_s > 0, "limits.chunk_timeout_s", "must be > 0")
         _require(self.joins_per_minute > 0, "limits.joins_per_minute", "must be > 0")
+        for name in ("max_world_size", "max_parts", "max_chunks_per_part", "max_data_ranges", "max_tokens"):
+            value = getattr(self, name)
+            _require(0 < value <= 1 << 62, f"limits.{name}", f"must be in [1, {1 << 62}], got {value}")
 
 
 @dataclass(kw_only=True, slots=True)
