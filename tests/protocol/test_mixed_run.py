@@ -84,3 +84,23 @@ def test_a_site_without_the_runs_codec_leaves_saying_which(tmp_path: Path) -> No
     assert result.returncode == 2, result.stderr
     assert "unsupported codec" in result.stderr and '"fp16"' in result.stderr
     assert state == "left"
+
+
+def test_the_typescript_site_alone_on_a_plaintext_run(tmp_path: Path) -> None:
+    """Unsealed payloads (key id 0, loopback only), a q4 uplink and an fp32|zstd downlink."""
+    cfg = tiny_config(
+        sites=["site-ts"], rounds=2, compression__uplink="q4", compression__downlink="fp32|zstd:1"
+    )
+    tsx = TS_CLIENT / "node_modules" / ".bin" / "tsx"
+    with CoordinatorThread(cfg) as coordinator:
+        command = [str(tsx), "src/site.ts", "--coordinator", coordinator.target, "--name", "site-ts"]
+        result = subprocess.run(
+            [*command, "--insecure"], cwd=TS_CLIENT, capture_output=True, text=True, timeout=120
+        )
+        history = coordinator.controller.history
+    assert result.returncode == 0, result.stderr
+    rounds = [json.loads(x) for x in result.stdout.splitlines() if '"event":"round"' in x]
+    assert [(x["round"], x["hash"], x["hash_ok"]) for x in rounds] == [
+        (h.round, h.state_hash, True) for h in history
+    ]
+    assert len(history) == 2 and all(h.contributors == ["site-ts"] for h in history)

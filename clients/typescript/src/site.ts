@@ -37,6 +37,7 @@ class Site {
   round = 0;
   data: DataRange[] = [];
   finished = false;
+  numParams = 0;
   residual: Float32Array = new Float32Array(0);
   cfg!: RunConfig;
   uplink!: Codec;
@@ -73,7 +74,8 @@ class Site {
     this.round = info.round;
     this.data = info.data;
     this.finished = info.finished;
-    if (this.residual.length !== info.num_params) this.residual = new Float32Array(info.num_params);
+    if (this.numParams !== info.num_params) this.residual = new Float32Array(info.num_params);
+    this.numParams = info.num_params;
     if (info.key_id === 0 && this.secret) throw new SiteError("the coordinator does not seal payloads; refusing to send them in the clear");
     if (info.key_id !== 0) {
       if (!this.secret) throw new SiteError("the coordinator seals payloads; give this site its secret (--secret)");
@@ -114,7 +116,7 @@ class Site {
     const expected = pulled.kind === "FULL_STATE" ? FULL_STATE_CODEC : this.cfg.compression.downlink;
     if (pulled.codec !== expected) throw new SiteError(`the stream's codec ${pulled.codec} is not the run's ${expected}`);
     const codec = parseCodec(pulled.codec);
-    const out = new Float32Array(this.theta.length);
+    const out = new Float32Array(this.numParams);
     let at = 0;
     for (const c of pulled.chunks) {
       if (c.start !== at) throw new SiteError(`chunk starts at ${c.start}, expected ${at}`);
@@ -138,10 +140,8 @@ class Site {
     return digest;
   }
 
-  async fullState(): Promise<Pulled> {
-    const pulled = await this.client.pull(0, true, this.pullTimeoutMs);
-    this.theta = new Float32Array(this.residual.length);
-    return pulled;
+  fullState(): Promise<Pulled> {
+    return this.client.pull(0, true, this.pullTimeoutMs);
   }
 
   async encodeDelta(snapshot: Float32Array): Promise<{ start: number; numel: number; frame: Uint8Array }[]> {
@@ -200,8 +200,10 @@ class Site {
         const seconds = (performance.now() - started) / 1000;
         const pulled = await this.exchange(r, await this.encodeDelta(snapshot), Math.max(1, windows.length));
         const digest = await this.apply(pulled, snapshot);
-        const reply = await this.client.report(pulled.round, digest, windows.length, loss, seconds);
-        say({ event: "round", round: pulled.round, kind: pulled.kind, hash: digest, hash_ok: reply.hash_ok, train_loss: loss });
+        // the round whose commit produced θ: the update's, or the one before a full state's
+        const closed = pulled.nextRound - 1;
+        const reply = closed >= 0 ? await this.client.report(closed, digest, windows.length, loss, seconds) : null;
+        say({ event: "round", round: closed, kind: pulled.kind, hash: digest, hash_ok: reply?.hash_ok ?? null, train_loss: loss });
         if (!this.finished && this.data.length === 0) this.adopt(await this.client.join()); // lease lapsed: no data
       }
       await this.client.leave("finished");
