@@ -1,26 +1,72 @@
-"""Token-weighted averaging of the sites' pseudo-gradients for one round."""
+"""Token-weighted averaging of the sites' pseudo-gradients for one round.
+
+A contribution is folded into the round's sum only once it is whole and checked, so a broken
+push never touches the mean. The sum is one fp32 vector reused from round to round: the
+coordinator's memory does not grow with the number of sites.
+"""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class Contribution(Protocol):
+    """One site's whole, decoded-on-demand pseudo-gradient for a round."""
+
+    @property
+    def sumsq(self) -> float:
+        """Σ Δ² over its elements (inf or NaN when a value is not finite)."""
+        ...
+
+    def fold_into(self, total: torch.Tensor, weight: float) -> None:
+        """total += weight · Δ, chunk by chunk."""
+        ...
+
+
+def sum_of_squares(values: torch.Tensor) -> float:
+    """Σ x² in float64: finite for any finite fp32 values, inf or NaN exactly when one is not."""
+    return float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
+
+
+class TensorContribution:
+    """A pseudo-gradient already decoded into one canonical vector (tests, tools)."""
+
+    def __init__(self, delta: torch.Tensor) -> None:
+        self.delta = delta
+        self.sumsq = sum_of_squares(delta)
+
+    def fold_into(self, total: torch.Tensor, weight: float) -> None:
+        total.add_(self.delta, alpha=weight)
 
 
 class WeightedMean:
     """Σ w_k Δ_k / Σ w_k, accumulated as contributions arrive (w_k = tokens trained on)."""
 
     def __init__(self, numel: int) -> None:
-        self.total = torch.zeros(numel, dtype=torch.float64)
+        self.total = torch.zeros(numel, dtype=torch.float32)
         self.weight = 0
         self.contributors: list[str] = []
 
     def add(self, site: str, delta: torch.Tensor, tokens: int) -> None:
+        self.fold(site, TensorContribution(delta), tokens)
+
+    def fold(self, site: str, contribution: Contribution, tokens: int) -> None:
         if tokens <= 0:
             raise ValueError("a contribution needs a positive token count")
-        self.total.add_(delta.to(torch.float64), alpha=float(tokens))
+        contribution.fold_into(self.total, float(tokens))
         self.weight += tokens
         self.contributors.append(site)
 
     def mean(self) -> torch.Tensor:
+        """The average, computed in place: the sum is gone afterwards (call :meth:`reset`)."""
         if not self.weight:
             raise ValueError("no contributions to average")
-        return (self.total / self.weight).to(torch.float32)
+        return self.total.div_(self.weight)
+
+    def reset(self) -> None:
+        """Empty for the next round, keeping the buffer."""
+        self.total.zero_()
+        self.weight = 0
+        self.contributors = []

@@ -1,22 +1,23 @@
-"""Refusals raised by the round logic; the gRPC layer maps each to its status code."""
+"""Refusals raised by the round logic and intake; the gRPC layer maps each to its status code.
 
-import grpc
+``status`` names the code (a ``grpc.StatusCode`` member name), so nothing here imports grpc.
+"""
 
 
 class CoordinatorError(Exception):
-    code = grpc.StatusCode.INTERNAL
+    status = "INTERNAL"
 
 
 class InvalidArgument(CoordinatorError):
     """Malformed or inconsistent input: wrong shape, bad codec, corrupt payload."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    status = "INVALID_ARGUMENT"
 
 
 class FailedPrecondition(CoordinatorError):
     """Valid input at the wrong time: stale or future round, not joined, run finished."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    status = "FAILED_PRECONDITION"
 
 
 class LateContribution(FailedPrecondition):
@@ -26,28 +27,28 @@ class LateContribution(FailedPrecondition):
 class Unavailable(CoordinatorError):
     """Try again shortly (e.g. the same part of a push is still being received)."""
 
-    code = grpc.StatusCode.UNAVAILABLE
+    status = "UNAVAILABLE"
 
 
 class ContributionMissing(CoordinatorError):
     """A site waits for a round it has no contribution in (lost in a restart): push again."""
 
-    code = grpc.StatusCode.ABORTED
+    status = "ABORTED"
 
 
 class PermissionDenied(CoordinatorError):
     """A site that is not part of the run, or a peer whose certificate does not allow the call."""
 
-    code = grpc.StatusCode.PERMISSION_DENIED
+    status = "PERMISSION_DENIED"
 
 
 class ResourceExhausted(CoordinatorError):
     """Too many requests from one peer (a flood of joins)."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = "RESOURCE_EXHAUSTED"
 
 
 class DeadlineExceeded(CoordinatorError):
     """A stream that stopped sending, or a wait the coordinator will not extend."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    status = "DEADLINE_EXCEEDED"

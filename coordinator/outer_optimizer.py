@@ -16,7 +16,8 @@ from geodiloco.config import OuterConfig
 
 class OuterOptimizer(Protocol):
     def step(self, avg_delta: torch.Tensor) -> torch.Tensor:
-        """The proposed parameter change for this round's averaged pseudo-gradient."""
+        """The proposed parameter change for this round's averaged pseudo-gradient, computed in
+        place: ``avg_delta``'s storage holds it afterwards (no model-sized temporaries)."""
         ...
 
     def state_dict(self) -> dict[str, object]:
@@ -53,7 +54,7 @@ class NesterovOuter:
             self.buffer = torch.zeros_like(avg_delta)
         self.buffer.mul_(mu).add_(avg_delta)
         self.steps += 1
-        return -self.lr * (avg_delta + mu * self.buffer)
+        return avg_delta.add_(self.buffer, alpha=mu).mul_(-self.lr)
 
     def state_dict(self) -> dict[str, object]:
         return {"buffer": self.buffer, "steps": self.steps}
@@ -71,7 +72,7 @@ class FedAvgOuter:
         self.lr = lr
 
     def step(self, avg_delta: torch.Tensor) -> torch.Tensor:
-        return -self.lr * avg_delta
+        return avg_delta.mul_(-self.lr)
 
     def state_dict(self) -> dict[str, object]:
         return {}

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -21,9 +22,10 @@ from typing import Any
 
 import torch
 
-from geodiloco.compression import EncodedChunk, ErrorFeedback, encode_chunks, parse_pipeline
+from geodiloco.compression import EncodedChunk, ErrorFeedback, Place, parse_pipeline
+from geodiloco.compression.frames import chunk_ranges
 from geodiloco.config import RunConfig
-from geodiloco.coordinator.aggregator import WeightedMean
+from geodiloco.coordinator.aggregator import Contribution, TensorContribution, WeightedMean, sum_of_squares
 from geodiloco.coordinator.durable import STATE_FILE, StateError, load_state, save_state
 from geodiloco.coordinator.errors import (
     ContributionMissing,
@@ -35,7 +37,7 @@ from geodiloco.coordinator.errors import (
 from geodiloco.coordinator.ledger import DataLedger, LedgerExhausted
 from geodiloco.coordinator.outer_optimizer import build_outer_optimizer
 from geodiloco.coordinator.reports import REPORT_LOG, HashReport, append_report, read_reports
-from geodiloco.params import state_hash
+from geodiloco.params import Checksum, state_hash
 from geodiloco.security.sealing import Sealer
 from geodiloco.workload.data import DataRange
 
@@ -140,7 +142,7 @@ class RoundController:
         self.updates: dict[int, CommittedUpdate] = {}
         self.history: list[RoundRecord] = []
         self.hashes: dict[int, str] = {0: state_hash(self.theta)}
-        self.theta_norm = float(self.theta.norm())
+        self.theta_norm = math.sqrt(sum_of_squares(self.theta))
         self.round_opened = time.monotonic()
         self.first_contribution: float | None = None  # the round's deadline counts from here
         self.started = time.monotonic()
@@ -285,25 +287,29 @@ class RoundController:
         run_id: str,
         round_: int,
         tokens: int,
-        delta: torch.Tensor,
+        delta: torch.Tensor | Contribution,
         data: list[DataRange] | None = None,
     ) -> bool:
-        """Add one site's decoded pseudo-gradient. Returns False for an idempotent duplicate.
+        """Fold one site's whole pseudo-gradient into the round. False for an idempotent duplicate.
 
-        ``data`` is what it trained on; None (tests, tools) means what the ledger reserved."""
-        if tokens <= 0:
-            raise InvalidArgument("tokens must be > 0")
-        if delta.shape != (self.num_params,) or delta.dtype != torch.float32:
-            raise InvalidArgument(
-                f"pseudo-gradient has shape {tuple(delta.shape)} and dtype {delta.dtype}, "
-                f"expected ({self.num_params},) float32"
-            )
+        ``delta`` is a decoded vector (tests, tools) or a staged contribution (pushes), whose
+        values were checked as they were decoded. ``data`` is what it trained on; None means
+        what the ledger reserved."""
+        if not 0 < tokens <= self.cfg.limits.max_tokens:
+            raise InvalidArgument(f"tokens must be in [1, {self.cfg.limits.max_tokens}] (limits.max_tokens)")
+        if isinstance(delta, torch.Tensor):
+            if delta.shape != (self.num_params,) or delta.dtype != torch.float32:
+                raise InvalidArgument(
+                    f"pseudo-gradient has shape {tuple(delta.shape)} and dtype {delta.dtype}, "
+                    f"expected ({self.num_params},) float32"
+                )
+            delta = TensorContribution(delta)
         self._check_values(delta)
         async with self._commit_lock:
             if self.check_push(name, run_id, round_):
                 return False
             self.check_data(name, self.data_for(name) if data is None else data)
-            self.mean.add(name, delta, tokens)
+            await asyncio.to_thread(self.mean.fold, name, delta, tokens)
             if self.first_contribution is None:
                 self.first_contribution = time.monotonic()
             record = self.sites[name]
@@ -313,12 +319,13 @@ class RoundController:
         await self._maybe_close()
         return True
 
-    def _check_values(self, delta: torch.Tensor) -> None:
+    def _check_values(self, delta: Contribution | torch.Tensor) -> None:
         """Refuse NaN/Inf and norms no honest site produces (a poisoning or a broken site)."""
-        if not bool(torch.isfinite(delta).all()):
+        sumsq = (TensorContribution(delta) if isinstance(delta, torch.Tensor) else delta).sumsq
+        if not math.isfinite(sumsq):
             raise InvalidArgument("pseudo-gradient contains NaN or Inf")
         ratio = self.cfg.limits.max_delta_norm_ratio
-        norm = float(delta.norm())
+        norm = math.sqrt(sumsq)
         if ratio and norm > ratio * self.theta_norm:
             raise InvalidArgument(
                 f"pseudo-gradient norm {norm:.4g} exceeds limits.max_delta_norm_ratio {ratio} "
@@ -360,36 +367,32 @@ class RoundController:
                 await self._commit()
 
     async def _commit(self) -> None:
-        """Close the round: compute, make it durable, and only then publish it."""
+        """Close the round: compute (in a worker thread), make it durable, and only then publish it."""
         r, mean = self.round, self.mean
         started = time.monotonic()
-        chunks, decoded = await asyncio.to_thread(self._compute_update, r, mean.mean())
-        self.theta.add_(decoded)
-        self.theta_norm = float(self.theta.norm())
-        digest = state_hash(self.theta)
-        self.updates[r] = CommittedUpdate(r, self.downlink.spec, chunks, digest)
+        contributors, tokens = sorted(mean.contributors), mean.weight
+        update = await asyncio.to_thread(self._advance, r)
+        digest = update.state_hash
+        self.updates[r] = update
         self.updates.pop(r - KEEP_UPDATES, None)
         self.hashes[r + 1] = digest
         consumed = [
-            [site, d.shard, d.start, d.end, d.epoch]
-            for site in sorted(mean.contributors)
-            for d in self.data_for(site)
+            [site, d.shard, d.start, d.end, d.epoch] for site in contributors for d in self.data_for(site)
         ]
-        self.ledger.settle(r, set(mean.contributors))
+        self.ledger.settle(r, set(contributors))
         record = RoundRecord(
             round=r,
-            contributors=sorted(mean.contributors),
-            tokens=mean.weight,
+            contributors=contributors,
+            tokens=tokens,
             state_hash=digest,
             duration_s=started - self.round_opened,
-            update_bytes=self.updates[r].payload_bytes,
+            update_bytes=update.payload_bytes,
             data=consumed,
         )
         self.history.append(record)
         self.round += 1
         if not self.finished:
             self._reserve_next_round()
-        self.mean = WeightedMean(self.num_params)
         self.round_opened = time.monotonic()
         self.first_contribution = None
         self._full_state = None
@@ -404,17 +407,27 @@ class RoundController:
         )
         await self._notify()
 
-    def _compute_update(
-        self, round_: int, avg_delta: torch.Tensor
-    ) -> tuple[list[EncodedChunk], torch.Tensor]:
-        """The compressed change closing ``round_`` and its decoded value, which every replica applies."""
-        proposed = self.optimizer.step(avg_delta)
-        to_send = self.downlink_feedback.compensate(proposed)
-        chunks, decoded = encode_chunks(
-            self.downlink, to_send, self.cfg.compression.chunk_elements, round_=round_
-        )
-        self.downlink_feedback.record(to_send, decoded)
-        return chunks, decoded
+    def _advance(self, round_: int) -> CommittedUpdate:
+        """θ_round → θ_{round+1} (worker thread): average, outer step, then chunk by chunk and in
+        place: compensate with the downlink residual, encode, keep what the encoding dropped,
+        apply the decoded change, and hash and measure the new θ while the chunk is in cache."""
+        proposed = self.optimizer.step(self.mean.mean())
+        residual = self.downlink_feedback.residual
+        torch.add(proposed, residual, alpha=self.downlink_feedback.decay, out=residual)  # what to send
+        chunks: list[EncodedChunk] = []
+        checksum, sumsq = Checksum(), 0.0
+        for start, numel in chunk_ranges(self.num_params, self.cfg.compression.chunk_elements):
+            send = residual[start : start + numel]
+            payload, decoded = self.downlink.roundtrip(send, Place.span(round_, start, numel))
+            send.sub_(decoded)
+            theta = self.theta[start : start + numel]
+            theta.add_(decoded)
+            checksum.add_range(start, theta)
+            sumsq += sum_of_squares(theta)
+            chunks.append(EncodedChunk(start, numel, payload))
+        self.mean.reset()
+        self.theta_norm = math.sqrt(sumsq)
+        return CommittedUpdate(round_, self.downlink.spec, chunks, checksum.hexdigest())
 
     async def _persist(self) -> None:
         """Commit the state atomically, then the round log. Crash-only: if the state cannot be
@@ -479,7 +492,7 @@ class RoundController:
         if theta.numel() != self.num_params:
             raise StateError(f"the saved state has {theta.numel()} parameters, the model {self.num_params}")
         self.theta = theta.clone()
-        self.theta_norm = float(self.theta.norm())
+        self.theta_norm = math.sqrt(sum_of_squares(self.theta))
         self.round = int(state["round"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.downlink_feedback.residual.copy_(state["downlink_residual"])
@@ -530,11 +543,19 @@ class RoundController:
     def full_state(self) -> FullState:
         """θ at the current round, lossless; cached until the next commit."""
         if self._full_state is None or self._full_state.round != self.round:
-            chunks, _ = encode_chunks(
-                self.full_state_codec, self.theta, self.cfg.compression.chunk_elements, round_=self.round
-            )
+            codec, chunks = self.full_state_codec, []
+            for start, numel in chunk_ranges(self.num_params, self.cfg.compression.chunk_elements):
+                values = self.theta[start : start + numel]
+                chunks.append(
+                    EncodedChunk(start, numel, codec.encode(values, Place.span(self.round, start, numel)))
+                )
             self._full_state = FullState(self.round, FULL_STATE_CODEC, chunks, self.hashes[self.round])
         return self._full_state
+
+    async def serve_full_state(self) -> FullState:
+        """:meth:`full_state` once no commit is in progress, encoded off the event loop."""
+        async with self._commit_lock:
+            return await asyncio.to_thread(self.full_state)
 
     async def report(
         self,

@@ -19,8 +19,7 @@ import grpc
 from google.protobuf.message import Message
 
 from geodiloco import __version__
-from geodiloco.compression import CodecError, EncodedChunk, Place
-from geodiloco.coordinator.assembly import Assembly, check_declared, check_segment
+from geodiloco.compression import CodecError, EncodedChunk
 from geodiloco.coordinator.errors import (
     CoordinatorError,
     DeadlineExceeded,
@@ -28,6 +27,7 @@ from geodiloco.coordinator.errors import (
     LateContribution,
     ResourceExhausted,
 )
+from geodiloco.coordinator.intake import Intake, PartStream, StagedContribution
 from geodiloco.coordinator.journal import Journal
 from geodiloco.coordinator.metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
@@ -36,9 +36,8 @@ from geodiloco.security.policy import Denied, ServerSecurity, is_admin, peer_ide
 from geodiloco.security.ratelimit import RateLimiter
 from geodiloco.security.sealing import SealError
 from geodiloco.security.wire import MalformedRequest
-from geodiloco.segment import Segment, segment_of
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
-from geodiloco.wire import ranges_from_proto, ranges_to_proto
+from geodiloco.wire import ranges_to_proto
 
 log = logging.getLogger("geodiloco.coordinator")
 
@@ -52,7 +51,7 @@ REFUSALS = (CoordinatorError, CodecError, SealError, MalformedRequest, Denied)
 
 def _status(exc: Exception) -> grpc.StatusCode:
     if isinstance(exc, CoordinatorError):
-        return exc.code
+        return grpc.StatusCode[exc.status]
     if isinstance(exc, Denied):
         return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(exc, KeyMismatch):
@@ -66,13 +65,6 @@ async def _abort(context: grpc.aio.ServicerContext, rpc: str, site: str, exc: Ex
         "[OuterSync.%s] site=%s peer=%s refused (%s): %s", rpc, site or "?", context.peer(), code.name, exc
     )
     await context.abort(code, str(exc))
-
-
-def _segment(chunk: Any, seq: int) -> Segment:
-    try:
-        return segment_of(chunk.header)
-    except ValueError as exc:
-        raise InvalidArgument(f"chunk {seq}: {exc}") from None
 
 
 async def _next_chunk(chunks: AsyncIterator[Any], timeout_s: float) -> Any:
@@ -98,7 +90,14 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         self.c = controller
         self.security = security
         self.joins = RateLimiter(controller.cfg.limits.joins_per_minute)
-        self.assemblies: dict[tuple[str, int], Assembly] = {}  # (site, round) -> parts so far
+        self.intake = Intake(
+            controller.uplink,
+            controller.num_params,
+            controller.cfg.compression.chunk_elements,
+            controller.cfg.limits,
+            self._open,
+            controller.run_dir,
+        )
         self.metrics = metrics or CoordinatorMetrics(controller)
         self.journal = journal or Journal(None)
 
@@ -207,68 +206,46 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         return await self._unary("Leave", request, context, handle)
 
     async def PushDelta(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
-        site, round_, fragment, payload_bytes, wire_bytes = "", 0, 0, 0, 0
+        site, round_, fragment, wire_bytes = "", 0, 0, 0
         timeout_s = self.c.cfg.limits.chunk_timeout_s
-        assembly: Assembly | None = None
-        first: Any = None
+        stream: PartStream | None = None
         started = time.time()
-        covered = 0
         try:
-            duplicate = False
-            index = 0
-            while (chunk := await _next_chunk(request_iterator, timeout_s)) is not None:
-                h = chunk.header
-                opened = None
-                if first is None:
-                    require_site(self.security, context, h.site)
-                    first, site, round_, fragment = chunk, h.site, h.round, h.fragment
-                    assembly, opened = self._begin_part(chunk)
-                    duplicate = assembly is None
-                self._count(site, received=chunk)
-                wire_bytes += chunk.ByteSize()
-                segment = self._check_chunk(first, chunk, index)
-                covered += segment.numel
-                payload_bytes += len(chunk.payload)
-                if assembly is not None:
-                    out = assembly.claim(first.part, segment)
-                    payload = opened if opened is not None else self._open(chunk)
-                    values = await asyncio.to_thread(
-                        self.c.uplink.decode, payload, h.numel, Place(h.round, segment)
-                    )
-                    out.copy_(values.view(out.shape))
-                index += 1
+            first = await _next_chunk(request_iterator, timeout_s)
             if first is None:
                 raise InvalidArgument("empty push: no chunks received")
-            if index != first.total_chunks:
-                raise InvalidArgument(f"push part ended after {index} of {first.total_chunks} chunks")
-            outcome = "duplicate" if assembly is None else await self._finish_part(first, assembly)
-            duplicate = outcome == "duplicate"
+            require_site(self.security, context, first.header.site)
+            site, round_, fragment = first.header.site, first.header.round, first.header.fragment
+            stream = await self._begin(first)
+            chunk = first
+            while chunk is not None:
+                self._count(site, received=chunk)
+                wire_bytes += chunk.ByteSize()
+                await stream.add(chunk)
+                chunk = await _next_chunk(request_iterator, timeout_s)
+            await stream.drain()
+            outcome = await self._complete(stream)
         except REFUSALS as exc:
-            self._abandon(first, assembly)
+            if stream is not None:
+                stream.abandon()
             self.c.record_rejection(site, exc)
             outcome = "late" if isinstance(exc, LateContribution) else "rejected"
             self._pushed(site, round_, started, wire_bytes, outcome, _status(exc).name)
             await _abort(context, "PushDelta", site, exc)
         except BaseException:  # cancelled (the stream broke): the retry must find the part free
-            self._abandon(first, assembly)
+            if stream is not None:
+                stream.abandon()
             raise
+        assert stream is not None
+        duplicate = outcome == "duplicate"
         self._pushed(site, round_, started, wire_bytes, outcome)
         if not duplicate:
-            self.metrics.push_compressed(site, covered, payload_bytes)
+            self.metrics.push_compressed(site, stream.covered, stream.payload_bytes)
         ack = outer_sync_pb2.PushAck(
-            round=round_, fragment=fragment, duplicate=duplicate, payload_bytes=payload_bytes
+            round=round_, fragment=fragment, duplicate=duplicate, payload_bytes=stream.payload_bytes
         )
         self._count(site, sent=ack)
         return ack
-
-    def _abandon(self, first: Any, assembly: Assembly | None) -> None:
-        """Give back what a failed part claimed; an assembly no part completed goes entirely."""
-        if assembly is None:
-            return
-        assembly.abandon(first.part)
-        key = (first.header.site, first.header.round)
-        if not assembly.received and not assembly.streaming and self.assemblies.get(key) is assembly:
-            del self.assemblies[key]
 
     def _pushed(
         self, site: str, round_: int, started: float, wire_bytes: int, outcome: str, reason: str = ""
@@ -280,74 +257,37 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             "push", site=site, round=round_, t0=started, t1=time.time(), bytes=wire_bytes, outcome=outcome
         )
 
-    def _begin_part(self, chunk: Any) -> tuple[Assembly | None, bytes | None]:
-        """The assembly this part goes into and its first payload, authenticated before anything
-        of the chunk is trusted; (None, None) when the push is a duplicate (nothing to do)."""
-        h = chunk.header
-        if self.c.check_push(h.site, h.run_id, h.round):
-            return None, None
-        if h.fragment != 0:
-            raise InvalidArgument(f"fragment {h.fragment} does not exist; this run has one fragment (0)")
-        if h.codec != self.c.uplink.spec:
-            raise InvalidArgument(f"codec {h.codec!r} is not this run's uplink codec {self.c.uplink.spec!r}")
-        check_declared(self.c.cfg.limits, chunk, self.c.num_params)
-        parts = chunk.parts or 1
-        opened = self._open(chunk)
-        for key in [k for k in self.assemblies if k[1] < self.c.round]:  # rounds that closed
-            del self.assemblies[key]
-        data = ranges_from_proto(chunk.data)
-        assembly = self.assemblies.get((h.site, h.round))
-        if assembly is None:
-            assembly = Assembly.open(h.round, self.c.num_params, parts, chunk.tokens, data)
-            self.assemblies[(h.site, h.round)] = assembly
-        if not assembly.begin(chunk.part, parts, chunk.tokens, data):
-            return None, None
-        return assembly, opened
-
-    async def _finish_part(self, first: Any, assembly: Assembly) -> str:
-        """Record a complete part; the last one hands the whole contribution to the controller.
-        Returns "part", "accepted" (the contribution is in) or "duplicate"."""
-        h = first.header
-        assembly.finish(first.part)
-        if not assembly.complete:
-            return "part"
-        del self.assemblies[(h.site, h.round)]
-        assembly.check_covered()
-        accepted = await self.c.contribute(
-            h.site, h.run_id, h.round, assembly.tokens, assembly.values, assembly.data
-        )
-        return "accepted" if accepted else "duplicate"
-
     def _open(self, chunk: Any) -> bytes:
+        """A chunk's payload, authenticated and opened with its site's key (worker thread)."""
         if self.security.keyring is None:
             return bytes(chunk.payload)
         return open_delta(self.security.keyring.site(chunk.header.site).up, chunk)
 
-    def _check_chunk(self, first: Any, chunk: Any, index: int) -> Segment:
-        """A chunk consistent with its stream's first one; returns the elements it covers."""
-        h, f = chunk.header, first.header
-        if h.seq != index:
-            raise InvalidArgument(f"chunk {index} carries sequence number {h.seq}")
-        if (h.run_id, h.round, h.fragment, h.site, h.codec) != (
-            f.run_id,
-            f.round,
-            f.fragment,
-            f.site,
-            f.codec,
-        ):
-            raise InvalidArgument(f"chunk {h.seq} header differs from the stream's first chunk")
-        if (chunk.tokens, chunk.total_chunks, chunk.part, chunk.parts) != (
-            first.tokens,
-            first.total_chunks,
-            first.part,
-            first.parts,
-        ):
-            raise InvalidArgument(f"chunk {h.seq}: tokens, total_chunks or part changed mid-stream")
-        if h.seq >= first.total_chunks:
-            raise InvalidArgument(f"chunk {h.seq} is beyond the declared {first.total_chunks} chunks")
-        segment = _segment(chunk, index)
-        check_segment(segment, self.c.num_params, self.c.cfg.compression.chunk_elements, h.seq)
-        return segment
+    async def _begin(self, first: Any) -> PartStream:
+        """The stream of this part; a duplicate (already accepted or received) only gets checked."""
+        h = first.header
+        duplicate = self.c.check_push(h.site, h.run_id, h.round)
+        stream = await self.intake.begin(first)  # authenticated before anything of it is kept
+        self.intake.drop_closed(self.c.round)
+        if not duplicate and not self.c.check_push(h.site, h.run_id, h.round):
+            stream.open()
+        return stream
+
+    async def _complete(self, stream: PartStream) -> str:
+        """A part ended whole: "part" (more to come), "duplicate", or "accepted" once its
+        contribution is complete, tiles the model and is folded by the controller."""
+        staged = stream.end()
+        if staged is None:
+            return "part" if stream.attempt is not None else "duplicate"
+        try:
+            staged.check_covered(self.c.num_params)
+            h = stream.first.header
+            accepted = await self.c.contribute(
+                h.site, h.run_id, h.round, staged.tokens, StagedContribution(staged), staged.data
+            )
+        finally:
+            self.intake.release(stream.site, staged)
+        return "accepted" if accepted else "duplicate"
 
     async def PullUpdate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         kind = request.kind
@@ -371,8 +311,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             elif kind != outer_sync_pb2.PullRequest.FULL_STATE:
                 raise InvalidArgument("PullRequest.kind must be UPDATE or FULL_STATE")
             if kind == outer_sync_pb2.PullRequest.FULL_STATE:
-                await self.c.settle()  # never a state that a commit in progress has not made durable
-                state = self.c.full_state()
+                state = await self.c.serve_full_state()  # never one a commit has not made durable
                 chunks, codec, digest = state.chunks, state.codec, state.state_hash
                 next_round = round_ = state.round
         except REFUSALS as exc:

@@ -21,10 +21,10 @@ def test_nesterov_matches_hand_computation() -> None:
 def test_nesterov_momentum_warmup_ramps_linearly() -> None:
     opt = NesterovOuter(lr=1.0, momentum=0.8, warmup_rounds=4)
     d = torch.ones(2)
-    assert torch.allclose(opt.step(d), -d)  # momentum 0 in the first round
+    assert torch.allclose(opt.step(d.clone()), -d)  # momentum 0 in the first round
     assert opt.current_momentum() == pytest.approx(0.2)
     for _ in range(5):
-        opt.step(d)
+        opt.step(d.clone())
     assert opt.current_momentum() == pytest.approx(0.8)
 
 
@@ -53,7 +53,13 @@ def test_state_dict_roundtrip_resumes_identically() -> None:
     b = NesterovOuter(lr=0.7, momentum=0.9)
     b.load_state_dict(a.state_dict())
     d = torch.arange(4.0)
-    assert torch.equal(a.step(d), b.step(d))
+    assert torch.equal(a.step(d.clone()), b.step(d.clone()))
+
+
+def test_steps_reuse_the_averaged_delta_in_place() -> None:
+    for opt in (NesterovOuter(lr=0.7, momentum=0.9), FedAvgOuter()):
+        d = torch.ones(3)
+        assert opt.step(d).data_ptr() == d.data_ptr()  # no model-sized temporaries
 
 
 def test_build_from_config() -> None:

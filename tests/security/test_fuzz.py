@@ -4,6 +4,7 @@ only the refusals each entry point documents, never another exception or an UNKN
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -107,9 +108,9 @@ def test_push_validation_only_ever_refuses(
     servicer: OuterSyncServicer, first: Any, chunks: list[Any]
 ) -> None:
     try:
-        servicer._begin_part(first)
+        asyncio.run(servicer._begin(first))
         for index, chunk in enumerate([first, *chunks]):
-            servicer._check_chunk(first, chunk, index)
+            servicer.intake.check_chunk(first, chunk, index)
     except CoordinatorError as exc:
         assert str(exc)
     assert servicer.c.round == 0 and not servicer.c.mean.contributors

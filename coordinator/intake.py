@@ -1,0 +1,409 @@
+"""Pushes received: checked, opened, decoded and staged off the event loop, then folded whole.
+
+Each rank of a site streams the elements it owns as one *part* of the site's contribution
+(``PushDelta`` with ``part``/``parts``). Every chunk is authenticated, decoded and checked
+(NaN/Inf, Σ Δ² for the norm) in a worker thread as it arrives, while the next chunks are read;
+the loop thread only moves bytes. What is staged is the chunk's opened, still *compressed*
+payload, spilled to an unlinked temporary file, so a push in flight costs the coordinator its
+compressed size on disk and a few chunks of memory, whatever the model or the number of sites.
+Only a contribution whose parts have all arrived, whose elements tile the model exactly (checked
+on interval sets, never per-element masks) and whose norm is acceptable is folded into the
+round's sum, by the round controller: a broken push never touches the mean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+
+from geodiloco.compression import Pipeline, Place
+from geodiloco.config import LimitsConfig
+from geodiloco.coordinator.aggregator import sum_of_squares
+from geodiloco.coordinator.errors import InvalidArgument, Unavailable
+from geodiloco.segment import Segment, segment_of
+from geodiloco.wire import ranges_from_proto
+from geodiloco.workload.data import DataRange
+
+log = logging.getLogger("geodiloco.coordinator")
+
+WINDOW = 4  # chunks of one stream decoded while the next are read
+WORKERS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class StagedChunk:
+    part: int
+    attempt: int
+    segment: Segment
+    offset: int  # of its payload in the spill file
+    length: int
+
+
+@dataclass(slots=True)
+class Staged:
+    """The parts received so far of one (site, round) contribution, compressed."""
+
+    round: int
+    parts: int
+    tokens: int
+    data: list[DataRange]
+    pipeline: Pipeline
+    spill: IO[bytes]
+    chunks: list[StagedChunk] = field(default_factory=list)
+    received: set[int] = field(default_factory=set)
+    streaming: dict[int, int] = field(default_factory=dict)  # part -> attempt
+    sumsq: dict[int, float] = field(default_factory=dict)  # per part
+    claimed: int = 0
+    attempts: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def begin(self, part: int, parts: int, tokens: int, data: list[DataRange]) -> int | None:
+        """Start receiving ``part``: its attempt number, or None when it was already received."""
+        if (parts, tokens) != (self.parts, self.tokens):
+            raise InvalidArgument(
+                f"part {part} says {parts} parts and {tokens} tokens; "
+                f"earlier parts said {self.parts} parts and {self.tokens} tokens"
+            )
+        if data and data != self.data:
+            raise InvalidArgument(
+                f"part {part} names other data ranges than the contribution's earlier parts"
+            )
+        if part in self.received:
+            return None
+        if part in self.streaming:
+            raise Unavailable(f"part {part} is already being received; retry")
+        self.attempts += 1
+        self.streaming[part] = self.attempts
+        self.sumsq[part] = 0.0
+        return self.attempts
+
+    def stage(
+        self, part: int, attempt: int, segment: Segment, payload: bytes, sumsq: float, limit: int
+    ) -> None:
+        """Keep one checked chunk (worker thread). A chunk of an abandoned attempt is dropped."""
+        with self.lock:
+            if self.streaming.get(part) != attempt:
+                return
+            if self.claimed + segment.numel > limit:
+                raise InvalidArgument(
+                    f"part {part}: chunk at element {segment.start} overlaps elements already pushed "
+                    f"(the parts so far hold more than the model's {limit} parameters)"
+                )
+            self.spill.seek(0, os.SEEK_END)
+            offset = self.spill.tell()
+            self.spill.write(payload)
+            self.chunks.append(StagedChunk(part, attempt, segment, offset, len(payload)))
+            self.claimed += segment.numel
+            self.sumsq[part] += sumsq
+
+    def finish(self, part: int) -> None:
+        self.streaming.pop(part)
+        self.received.add(part)
+
+    def abandon(self, part: int) -> None:
+        """A part's stream failed: forget what it staged, so its retry starts clean."""
+        with self.lock:
+            attempt = self.streaming.pop(part, None)
+            if attempt is None:
+                return
+            kept = [c for c in self.chunks if (c.part, c.attempt) != (part, attempt)]
+            self.claimed -= sum(c.segment.numel for c in self.chunks) - sum(c.segment.numel for c in kept)
+            self.chunks = kept
+            self.sumsq.pop(part, None)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.received) == self.parts and not self.streaming
+
+    @property
+    def total_sumsq(self) -> float:
+        return sum(self.sumsq.values())
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    def check_covered(self, num_params: int) -> None:
+        """The parts' elements tile ``[0, num_params)``: no overlap, nothing missing."""
+        starts, ends = _intervals([c.segment for c in self.chunks])
+        order = np.argsort(starts, kind="stable")
+        starts, ends = starts[order], ends[order]
+        if starts.size > 1:
+            overlap = np.flatnonzero(starts[1:] < ends[:-1])
+            if overlap.size:
+                at = int(starts[overlap[0] + 1])
+                raise InvalidArgument(f"the contribution's parts overlap at element {at}")
+        covered = int((ends - starts).sum())
+        if covered != num_params or (starts.size and (starts[0] < 0 or ends[-1] > num_params)):
+            missing = num_params - covered
+            raise InvalidArgument(
+                f"all {self.parts} parts arrived but {missing} of {num_params} elements are missing"
+            )
+
+    def fold_into(self, total: torch.Tensor, weight: float) -> None:
+        """total += weight · Δ, decoding each staged chunk again (worker thread)."""
+        with self.lock:
+            for c in self.chunks:
+                self.spill.seek(c.offset)
+                payload = self.spill.read(c.length)
+                values = self.pipeline.decode(payload, c.segment.numel, Place(self.round, c.segment))
+                c.segment.view_of(total).add_(values.view(c.segment.rows, c.segment.row_len), alpha=weight)
+
+    def close(self) -> None:
+        self.spill.close()
+
+
+class StagedContribution:
+    """A complete, checked :class:`Staged` as the round controller folds it."""
+
+    def __init__(self, staged: Staged) -> None:
+        self.staged = staged
+        self.sumsq = staged.total_sumsq
+
+    def fold_into(self, total: torch.Tensor, weight: float) -> None:
+        self.staged.fold_into(total, weight)
+
+
+def _intervals(segments: list[Segment]) -> tuple[np.ndarray, np.ndarray]:
+    """[start, end) of every row of every segment, as two int64 arrays."""
+    if not segments:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    rows = np.fromiter((s.rows for s in segments), np.int64, len(segments))
+    starts = np.fromiter((s.start for s in segments), np.int64, len(segments))
+    strides = np.fromiter((s.stride for s in segments), np.int64, len(segments))
+    lengths = np.fromiter((s.row_len for s in segments), np.int64, len(segments))
+    which = np.repeat(np.arange(len(segments)), rows)
+    first = np.cumsum(rows) - rows
+    row = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(first, rows)
+    begin = starts[which] + row * strides[which]
+    return begin, begin + lengths[which]
+
+
+def check_declared(limits: LimitsConfig, chunk: Any, num_params: int) -> None:
+    """The counts the first chunk of a push declares, against the run's limits."""
+    if not 0 < chunk.tokens <= limits.max_tokens:
+        raise InvalidArgument(
+            f"tokens must be in [1, {limits.max_tokens}] (limits.max_tokens), got {chunk.tokens}"
+        )
+    most = min(limits.max_chunks_per_part, num_params)
+    if not 0 < chunk.total_chunks <= most:
+        raise InvalidArgument(
+            f"total_chunks {chunk.total_chunks} is out of range [1, {most}] "
+            "(limits.max_chunks_per_part, and at most one chunk per parameter)"
+        )
+    parts = chunk.parts or 1
+    if not 0 < parts <= limits.max_parts or chunk.part >= parts:
+        raise InvalidArgument(
+            f"part {chunk.part} of {parts} is out of range (limits.max_parts {limits.max_parts})"
+        )
+    if len(chunk.data) > limits.max_data_ranges:
+        raise InvalidArgument(
+            f"{len(chunk.data)} data ranges exceed limits.max_data_ranges {limits.max_data_ranges}"
+        )
+
+
+def check_segment(segment: Segment, num_params: int, chunk_elements: int, seq: int) -> None:
+    """A chunk's place must lie inside the model and hold at most one chunk of elements."""
+    s = segment
+    if s.rows < 1 or s.row_len < 1 or (s.rows > 1 and s.stride < s.row_len):
+        raise InvalidArgument(
+            f"chunk {seq}: rows {s.rows}, row length {s.row_len}, stride {s.stride} is no layout"
+        )
+    if s.numel > chunk_elements or s.end > num_params:
+        raise InvalidArgument(
+            f"chunk {seq} covers {s.numel} elements up to {s.end}, outside the model's {num_params} "
+            f"parameters or over {chunk_elements} elements"
+        )
+
+
+def _segment(chunk: Any, seq: int) -> Segment:
+    try:
+        return segment_of(chunk.header)
+    except ValueError as exc:
+        raise InvalidArgument(f"chunk {seq}: {exc}") from None
+
+
+class Intake:
+    """Every push in progress, by (site, round); one per coordinator.
+
+    ``opener`` authenticates and opens a chunk's payload (the identity without sealing);
+    ``spill_dir`` holds the unlinked staging files (the system's temporary folder without one).
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        num_params: int,
+        chunk_elements: int,
+        limits: LimitsConfig,
+        opener: Callable[[Any], bytes],
+        spill_dir: Path | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.num_params = num_params
+        self.chunk_elements = chunk_elements
+        self.limits = limits
+        self.opener = opener
+        self.spill_dir = spill_dir
+        self.staged: dict[tuple[str, int], Staged] = {}
+        self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="intake")
+
+    def drop_closed(self, current_round: int) -> None:
+        """Forget contributions to rounds that closed without them."""
+        for key in [k for k in self.staged if k[1] < current_round]:
+            self.staged.pop(key).close()
+
+    async def begin(self, first: Any) -> PartStream:
+        """A stream for the part ``first`` opens, authenticated before anything of it is trusted."""
+        h = first.header
+        if h.fragment != 0:
+            raise InvalidArgument(f"fragment {h.fragment} does not exist; this run has one fragment (0)")
+        if h.codec != self.pipeline.spec:
+            raise InvalidArgument(f"codec {h.codec!r} is not this run's uplink codec {self.pipeline.spec!r}")
+        check_declared(self.limits, first, self.num_params)
+        opened = await asyncio.get_running_loop().run_in_executor(self.pool, self.opener, first)
+        return PartStream(self, first, opened)
+
+    def staging_for(self, first: Any) -> tuple[Staged, int | None]:
+        h = first.header
+        key = (h.site, h.round)
+        parts, data = first.parts or 1, ranges_from_proto(first.data)
+        staged = self.staged.get(key)
+        if staged is None:
+            spill = tempfile.TemporaryFile(dir=self.spill_dir)  # noqa: SIM115 (closed by release)
+            staged = Staged(h.round, parts, first.tokens, data, self.pipeline, spill)
+            self.staged[key] = staged
+        return staged, staged.begin(first.part, parts, first.tokens, data)
+
+    def release(self, site: str, staged: Staged) -> None:
+        """The contribution is folded or refused as a whole: its staging goes."""
+        key = (site, staged.round)
+        if self.staged.get(key) is staged:
+            del self.staged[key]
+        staged.close()
+
+    def check_chunk(self, first: Any, chunk: Any, index: int) -> Segment:
+        """A chunk consistent with its stream's first one; returns the elements it covers."""
+        h, f = chunk.header, first.header
+        if h.seq != index:
+            raise InvalidArgument(f"chunk {index} carries sequence number {h.seq}")
+        if (h.run_id, h.round, h.fragment, h.site, h.codec) != (
+            f.run_id,
+            f.round,
+            f.fragment,
+            f.site,
+            f.codec,
+        ):
+            raise InvalidArgument(f"chunk {h.seq} header differs from the stream's first chunk")
+        if (chunk.tokens, chunk.total_chunks, chunk.part, chunk.parts) != (
+            first.tokens,
+            first.total_chunks,
+            first.part,
+            first.parts,
+        ):
+            raise InvalidArgument(f"chunk {h.seq}: tokens, total_chunks or part changed mid-stream")
+        if h.seq >= first.total_chunks:
+            raise InvalidArgument(f"chunk {h.seq} is beyond the declared {first.total_chunks} chunks")
+        segment = _segment(chunk, index)
+        check_segment(segment, self.num_params, self.chunk_elements, h.seq)
+        return segment
+
+    def decode_checked(self, payload: bytes, round_: int, segment: Segment, seq: int) -> float:
+        """Decode one chunk and return Σ Δ² of its values; NaN/Inf is refused here (worker thread)."""
+        values = self.pipeline.decode(payload, segment.numel, Place(round_, segment))
+        sumsq = sum_of_squares(values)
+        if not sumsq < float("inf"):
+            raise InvalidArgument(f"chunk {seq}: pseudo-gradient contains NaN or Inf")
+        return sumsq
+
+
+class PartStream:
+    """One ``PushDelta`` stream: one part of a contribution, or a duplicate of one received."""
+
+    def __init__(self, intake: Intake, first: Any, opened: bytes) -> None:
+        self.intake = intake
+        self.first = first
+        self.site: str = first.header.site
+        self.round: int = first.header.round
+        self._first_payload: bytes | None = opened
+        self.staged: Staged | None = None
+        self.attempt: int | None = None
+        self.index = 0
+        self.covered = 0
+        self.payload_bytes = 0
+        self.pending: deque[asyncio.Future[None]] = deque()
+
+    def open(self) -> bool:
+        """Join (or start) the contribution's staging; False when this part is a duplicate."""
+        self.staged, self.attempt = self.intake.staging_for(self.first)
+        if self.attempt is None:
+            self.staged = None
+        return self.staged is not None
+
+    async def add(self, chunk: Any) -> None:
+        """Check one chunk now; open, decode and stage it in a worker thread."""
+        segment = self.intake.check_chunk(self.first, chunk, self.index)
+        self.index += 1
+        self.covered += segment.numel
+        self.payload_bytes += len(chunk.payload)
+        if self.staged is None:
+            return
+        payload, self._first_payload = self._first_payload, None
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self.intake.pool, self._process, chunk, payload, segment)
+        self.pending.append(work)
+        if len(self.pending) >= WINDOW:
+            await self.pending.popleft()
+
+    def _process(self, chunk: Any, opened: bytes | None, segment: Segment) -> None:
+        assert self.staged is not None and self.attempt is not None
+        payload = opened if opened is not None else self.intake.opener(chunk)
+        sumsq = self.intake.decode_checked(payload, self.round, segment, chunk.header.seq)
+        self.staged.stage(self.first.part, self.attempt, segment, payload, sumsq, self.intake.num_params)
+
+    async def drain(self) -> None:
+        while self.pending:
+            await self.pending.popleft()
+
+    def end(self) -> Staged | None:
+        """The stream ended whole: the contribution when this part completed it, else None."""
+        if self.index != self.first.total_chunks:
+            raise InvalidArgument(f"push part ended after {self.index} of {self.first.total_chunks} chunks")
+        if self.staged is None:
+            return None
+        self.staged.finish(self.first.part)
+        staged, self.staged = self.staged, None
+        return staged if staged.complete else None
+
+    def abandon(self) -> None:
+        """Give back what a failed part staged; a contribution no part completed goes entirely.
+        Chunks still decoding belong to an abandoned attempt and are dropped when they finish."""
+        for work in self.pending:
+            work.cancel()
+            work.add_done_callback(_consume)
+        self.pending.clear()
+        staged = self.staged
+        if staged is None:
+            return
+        staged.abandon(self.first.part)
+        self.staged = None
+        if not staged.received and not staged.streaming:
+            self.intake.release(self.site, staged)
+
+
+def _consume(work: asyncio.Future[None]) -> None:
+    """Retrieve an abandoned chunk's outcome, so asyncio does not log it as never retrieved."""
+    if not work.cancelled():
+        work.exception()

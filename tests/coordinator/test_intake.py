@@ -1,0 +1,107 @@
+"""Push intake: compressed staging, interval coverage, and a broken push never reaching the mean."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from geodiloco.compression import envelope, parse_pipeline
+from geodiloco.coordinator.errors import InvalidArgument
+from geodiloco.coordinator.intake import Staged
+from geodiloco.segment import Segment
+from geodiloco.site.client import OuterSyncClient, WireChunk, delta_messages
+from geodiloco.v1 import outer_sync_pb2_grpc
+from helpers import CoordinatorThread, tiny_config
+
+CODEC = "q8|zstd:3"
+PLAIN = "q8"
+
+
+def staged(segments: list[Segment]) -> Staged:
+    s = Staged(0, 1, 1, [], parse_pipeline(CODEC), io.BytesIO())
+    attempt = s.begin(0, 1, 1, [])
+    assert attempt is not None
+    for seg in segments:
+        s.stage(0, attempt, seg, b"", 0.0, 1 << 40)
+    return s
+
+
+def test_coverage_of_column_shards_is_checked_on_intervals() -> None:
+    rows, cols = 6, 10  # a 6 x 10 matrix at element 4, its columns split over two ranks
+    left, right = Segment(4, rows, 4, cols), Segment(8, rows, 6, cols)
+    head, tail = Segment(0, 1, 4, 4), Segment(64, 1, 36, 36)
+    staged([head, left, right, tail]).check_covered(100)
+    with pytest.raises(InvalidArgument, match="elements are missing"):
+        staged([head, left, tail]).check_covered(100)
+    with pytest.raises(InvalidArgument, match="overlap at element 7"):
+        staged([head, left, Segment(7, rows, 6, cols), Segment(63, 1, 37, 37)]).check_covered(100)
+
+
+def test_an_abandoned_attempt_leaves_nothing_and_its_late_chunks_are_dropped() -> None:
+    s = staged([Segment(0, 1, 10, 10)])
+    s.abandon(0)
+    assert not s.chunks and s.claimed == 0 and not s.streaming
+    again = s.begin(0, 1, 1, [])
+    assert again is not None
+    s.stage(0, again - 1, Segment(0, 1, 10, 10), b"x", 1.0, 100)  # a chunk of the old attempt
+    assert not s.chunks and s.total_sumsq == 0.0
+
+
+def test_compressed_staging_never_folds_a_broken_push() -> None:
+    # site-b is live: the round stays open; plain q8 so that a frame can be poisoned by hand
+    cfg = tiny_config(round_timeout_s=60.0, compression__uplink=PLAIN)
+    with CoordinatorThread(cfg) as coordinator:
+        c = coordinator.controller
+        n = c.num_params
+        a, b = OuterSyncClient(coordinator.target, "site-a"), OuterSyncClient(coordinator.target, "site-b")
+        a.join(), b.join()
+        stub = outer_sync_pb2_grpc.OuterSyncStub(a.channel)
+        codec = parse_pipeline(PLAIN)
+        delta = torch.randn(n) * 1e-3
+        half = n // 2
+
+        def part(index: int, values: torch.Tensor, start: int, tokens: int = 100) -> list[Any]:
+            chunks = [
+                WireChunk(Segment(start + at, 1, len(piece), len(piece)), codec.encode(piece))
+                for at, piece in ((i, values[i : i + 500]) for i in range(0, values.numel(), 500))
+            ]
+            return delta_messages(a.run_id, a.site, 0, PLAIN, chunks, tokens, a.assigned, index, 2)
+
+        def refused(msgs: Any, *codes: grpc.StatusCode) -> str:
+            with pytest.raises(grpc.RpcError) as err:
+                stub.PushDelta(iter(msgs) if isinstance(msgs, list) else msgs, timeout=10)
+            assert err.value.code() in (codes or (grpc.StatusCode.INVALID_ARGUMENT,))
+            assert not bool(c.mean.total.any()) and not c.mean.contributors and c.mean.weight == 0
+            return str(err.value.details())
+
+        assert not stub.PushDelta(iter(part(0, delta[:half], 0)), timeout=10).duplicate
+        poisoned = part(1, delta[half:], half)
+        raw = codec.values.encode(delta[half : half + 500])
+        raw[:4].view(torch.float32)[0] = float("nan")  # the first block's step
+        poisoned[0].payload = envelope.seal(codec.tag, 500, raw.numpy().tobytes())
+        assert "not finite" in refused(poisoned)  # the decoder refuses it as it arrives
+
+        def breaks_midway() -> Any:
+            yield from part(1, delta[half:], half)[:1]
+            raise ConnectionError("rank died mid-push")
+
+        refused(breaks_midway(), grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+        assert "overlap" in refused(part(1, delta[: n - half], 0))  # part 1 re-sends part 0's range
+        assert not stub.PushDelta(iter(part(0, delta[:half], 0)), timeout=10).duplicate
+        huge = torch.full((n - half,), 1e3)
+        assert "max_delta_norm_ratio" in refused(part(1, huge, half))
+        assert not stub.PushDelta(iter(part(0, delta[:half], 0)), timeout=10).duplicate
+        assert not stub.PushDelta(iter(part(1, delta[half:], half)), timeout=10).duplicate
+        assert c.mean.contributors == ["site-a"] and c.mean.weight == 100
+
+        def received(values: torch.Tensor) -> torch.Tensor:
+            pieces = [values[i : i + 500] for i in range(0, values.numel(), 500)]
+            return torch.cat([codec.decode(codec.encode(p), p.numel()) for p in pieces])
+
+        expected = torch.cat([received(delta[:half]), received(delta[half:])])
+        assert torch.equal(c.mean.total, expected * 100.0)
+        a.close(), b.close()
