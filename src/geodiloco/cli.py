@@ -256,11 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from geodiloco.builders import check_workload
     from geodiloco.config import load_config
     from geodiloco.coordinator.durable import StateError
     from geodiloco.coordinator.server import BindError, ServeOptions, serve
 
     cfg = load_config(args.config, args.overrides)
+    check_workload(cfg)  # one dry step: a builder mismatch is a config error here, not in a rank
     try:
         opts = ServeOptions(
             host=args.host,
