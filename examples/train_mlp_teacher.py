@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from mlp_teacher import build_data, build_model, build_optimizer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -32,7 +33,7 @@ def evaluate(
 ) -> tuple[float, int]:
     total, count = 0.0, 0
     for x, labels in batches:
-        total += float(model(x, labels)) * x.shape[0]
+        total += float(F.cross_entropy(model(x), labels)) * x.shape[0]
         count += x.shape[0]
     return total, count
 
@@ -66,7 +67,7 @@ def main() -> None:
     losses, started = [], time.perf_counter()
     while not sync.finished:
         x, labels = data.batch(sync.data, sync.steps_in_round, rank, world)
-        loss = ddp(x, labels)
+        loss = F.cross_entropy(ddp(x), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

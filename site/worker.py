@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import geodiloco.site.checkpoint as checkpoint
 from geodiloco import faults, logs
-from geodiloco.builders import Batch, build_data, build_model, build_optimizer
+from geodiloco.builders import Batch, build_data, build_loss, build_model, build_optimizer, check_site_step
 from geodiloco.distributed import DEVICES, init_rank, shutdown_distributed
 from geodiloco.lifecycle import GracefulStop
 from geodiloco.logs import setup_logging
@@ -130,6 +130,10 @@ def train(
     if found is not None and not sync.finished:
         resume(found, model, optimizer, sync)
     data = build_data(cfg)
+    loss_fn = build_loss(cfg)
+    check_site_step(
+        cfg, trained, data, loss_fn, device=device
+    )  # a mismatch: one line and exit 2, before training
     dp_rank, dp = data_parallel_rank(mesh), layout.data_parallel
     # the site's share of the eval set (by its shard index), split among its data-parallel ranks
     eval_part, eval_parts = sync.shard_index + sync.shard_count * dp_rank, sync.shard_count * dp
@@ -145,7 +149,7 @@ def train(
         batch = on_device(data.batch(sync.data, sync.steps_in_round, dp_rank, dp), device)  # ledger's data
         tokens = data.tokens(batch)
         step_started = time.perf_counter()  # ops
-        losses.append(inner_step(trained, optimizer, cfg.inner, step, *batch))
+        losses.append(inner_step(trained, optimizer, cfg.inner, step, *batch, loss_fn=loss_fn))
         telemetry.step(time.perf_counter() - step_started, tokens * dp, sync.round, step + 1)  # ops
         compute_s = time.perf_counter() - started
         sync_started = time.perf_counter()  # ops
@@ -153,7 +157,7 @@ def train(
             continue
         sync_s = time.perf_counter() - sync_started  # ops
         eval_sum, eval_count = evaluate_batches(
-            trained, batches_on(data.eval_batches(eval_part, eval_parts), device)
+            trained, batches_on(data.eval_batches(eval_part, eval_parts), device), loss_fn
         )
         totals = torch.tensor([eval_sum, float(eval_count), sum(losses) / len(losses)], dtype=torch.float64)
         dist.all_reduce(totals)

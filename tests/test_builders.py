@@ -8,7 +8,15 @@ from typing import Any
 import pytest
 import torch
 
-from geodiloco.builders import BuilderError, build_data, build_model, build_optimizer, load_builder
+from geodiloco.builders import (
+    BuilderError,
+    build_data,
+    build_loss,
+    build_model,
+    build_optimizer,
+    check_workload,
+    load_builder,
+)
 from geodiloco.config import ConfigError, RunConfig, load_config
 from geodiloco.coordinator.server import data_shard_sizes, initial_parameters
 from geodiloco.params import flatten_parameters
@@ -42,7 +50,8 @@ def not_a_model(cfg: RunConfig) -> object:
         ("workload.model=mymodel", "workload.model: expected 'package.module:function', got 'mymodel'"),
         ("workload.data=a.b:c d", "workload.data: expected 'package.module:function'"),
         ("workload.options=3", "workload.options: expected a table, got 3"),
-        ("workload.loss=x:y", "workload.loss: unknown field"),
+        ("workload.loss=ce", "workload.loss: expected 'package.module:function', got 'ce'"),
+        ("workload.trainer=x:y", "workload.trainer: unknown field"),
     ],
 )
 def test_bad_builder_settings_name_the_field(override: str, message: str) -> None:
@@ -128,7 +137,10 @@ def test_example_builders_are_deterministic_and_split_rounds_among_ranks(
     rows = torch.cat(seen)
     assert rows.shape == (128, 32) and torch.unique(rows, dim=0).shape[0] == 128  # no example twice
     x, labels = data.batch(ranges, 0, 0, 2)
-    assert data.tokens((x, labels)) == 32 and float(build_model(cfg)(x, labels).detach()) > 0
+    assert (
+        data.tokens((x, labels)) == 32 and float(build_loss(cfg)(build_model(cfg), (x, labels)).detach()) > 0
+    )
+    check_workload(cfg)  # the coordinator's dry step passes
     with pytest.raises(ConfigError, match=r"workload.options.width: unknown"):
         build_model(load_config(EXAMPLES / "mlp_teacher.toml", ["workload.options.width=3"]))
 

@@ -4,29 +4,41 @@ The coordinator builds θ_0 with the model builder and sizes its data ledger wit
 builder; every site builds all three. What each builder takes and returns:
 
 - model: ``(cfg) -> nn.Module``, the same parameters wherever it runs with the same
-  ``cfg.seed`` (seed torch's generator inside), so θ_0 needs no download. ``model(*batch)``
-  returns the mean loss of a batch from the data builder.
+  ``cfg.seed`` (seed torch's generator inside), so θ_0 needs no download.
 - optimizer: ``(model, cfg) -> torch.optim.Optimizer`` over the model's (possibly sharded)
   parameters; the sites keep its state across rounds.
-- data: ``(cfg) -> SiteData``, the same items in the same order on every machine.
+- data: ``(cfg) -> SiteData``, the same items in the same order on every machine; a batch is
+  ``(*inputs, targets)`` by convention.
+- loss: ``(cfg) -> LossFn``, ``loss_fn(model, batch)`` the batch's mean loss
+  (:mod:`geodiloco.workload.loss`: by default the model gives logits, scored by cross-entropy).
+
+Mismatches between them are found before training by one dry step (:func:`check_workload` at
+coordinator start, :func:`check_site_step` on each site) and reported as a one-line config error
+naming the builder, never as a traceback from a rank.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from geodiloco.config import ConfigError
+from geodiloco.workload.data import DataRange
+from geodiloco.workload.loss import Batch, LossFn, check_loss
 
 if TYPE_CHECKING:
     from geodiloco.config import RunConfig
-    from geodiloco.workload.data import DataRange
 
-Batch = tuple[torch.Tensor, ...]
+T = TypeVar("T")
 
 
 class BuilderError(ConfigError):
@@ -146,3 +158,143 @@ def build_data(cfg: RunConfig) -> SiteData:
             f"items); data.shards is {cfg.data.shards} and every shard needs at least one item"
         )
     return data
+
+
+def build_loss(cfg: RunConfig) -> LossFn:
+    loss_fn = load_builder(cfg, "loss")(cfg)
+    if not callable(loss_fn):
+        raise BuilderError(
+            f"workload.loss: {cfg.workload.loss} returned {type(loss_fn).__name__}, "
+            "not a function (model, batch) -> loss"
+        )
+    return loss_fn
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+
+
+# what to try when a shipped loss cannot call the model (a signature mismatch)
+_HINTS = {
+    "geodiloco.workload.loss:build_cross_entropy": " (it calls model(*inputs) for logits; if your model "
+    "returns its own loss from model(*batch), set workload.loss = geodiloco.workload.loss:build_model_loss)",
+    "geodiloco.workload.loss:build_model_loss": " (it calls model(*batch) for a loss; if your model gives "
+    "logits from model(*inputs), drop workload.loss for the default cross-entropy)",
+}
+
+
+@contextmanager
+def _blame(key: str, what: str, hint: str = "") -> Iterator[None]:
+    """Turn any failure inside into a one-line :class:`BuilderError` naming ``workload.<key>``;
+    ``hint`` is added to a signature mismatch (TypeError)."""
+    try:
+        yield
+    except BuilderError:
+        raise
+    except Exception as exc:
+        extra = hint if isinstance(exc, TypeError) else ""
+        raise BuilderError(
+            f"workload.{key}: {what} failed in the dry step: {_one_line(exc)}{extra}"
+        ) from None
+
+
+def _call(key: str, what: str, fn: Callable[[], T]) -> T:
+    with _blame(key, what):
+        return fn()
+
+
+def first_batch(cfg: RunConfig, data: SiteData) -> Batch:
+    """The batch a one-rank site would take at its first step on shard 0."""
+    end = min(data.shard_sizes[0], cfg.data.batch_size)
+    batch = _call("data", "batch()", lambda: data.batch([DataRange(0, 0, end)], 0, 0, 1))
+    if not isinstance(batch, tuple) or not all(isinstance(t, torch.Tensor) for t in batch):
+        raise BuilderError(
+            f"workload.data: {cfg.workload.data} gave a batch of {type(batch).__name__}, "
+            "not a tuple of tensors (*inputs, targets)"
+        )
+    return batch
+
+
+def _loss_on(cfg: RunConfig, loss_fn: LossFn, model: nn.Module, batch: Batch) -> torch.Tensor:
+    what = (
+        f"{cfg.workload.model}'s model with workload.loss {cfg.workload.loss} on a batch of "
+        f"{len(batch)} tensor(s) {[tuple(t.shape) for t in batch]} from workload.data"
+    )
+    hint = _HINTS.get(cfg.workload.loss, "")
+    with _blame("model", what, hint):
+        return check_loss(loss_fn(model, batch))
+
+
+def check_workload(cfg: RunConfig) -> None:
+    """The coordinator's dry step, before it serves: build every builder's result and take one
+    inner step (forward, loss, backward, optimizer step) on a throwaway model, then score one
+    held-out batch in eval mode. Raises :class:`BuilderError` (one line) on any mismatch."""
+    model = build_model(cfg)
+    data = build_data(cfg)
+    loss_fn = build_loss(cfg)
+    optimizer = build_optimizer(model, cfg)
+    batch = first_batch(cfg, data)
+    model.train()
+    loss = _loss_on(cfg, loss_fn, model, batch)
+    if not loss.requires_grad:
+        raise BuilderError(
+            f"workload.loss: {cfg.workload.loss} gave a loss that does not depend on the model's "
+            f"parameters (no grad) for {cfg.workload.model}"
+        )
+    with _blame("model", "backward()"):
+        loss.backward()
+    with _blame("optimizer", f"{cfg.workload.optimizer}'s step()"):
+        optimizer.step()
+    tokens = _call("data", "tokens()", lambda: data.tokens(batch))
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+        raise BuilderError(
+            f"workload.data: {cfg.workload.data}'s tokens(batch) gave {tokens!r}, not a positive int"
+        )
+    check_site_step(cfg, model, data, loss_fn, exit_on_error=False)
+
+
+def check_site_step(
+    cfg: RunConfig,
+    model: nn.Module,
+    data: SiteData,
+    loss_fn: LossFn,
+    *,
+    device: torch.device | None = None,
+    exit_on_error: bool = True,
+) -> None:
+    """A site's dry step before its first inner step: score the first held-out batch with the
+    site's own (wrapped) model in eval mode, without gradients, so nothing changes.
+
+    Every rank of a site calls it (the model may be sharded). On a mismatch a rank logs one line
+    and leaves with status 2, the line also written where torchrun shows a rank's cause."""
+    try:
+        batches = _call("data", "eval_batches()", lambda: iter(data.eval_batches(0, 1)))
+        batch = _call("data", "eval_batches()", lambda: next(batches, None))
+        if batch is None:
+            raise BuilderError(f"workload.data: {cfg.workload.data}'s eval_batches(0, 1) is empty")
+        if device is not None:  # the batch goes where the model's parameters live
+            batch = tuple(t.to(device) for t in batch)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                _loss_on(cfg, loss_fn, model, batch)
+        finally:
+            model.train(was_training)
+    except BuilderError as exc:
+        if not exit_on_error:
+            raise
+        exit_config_error(exc)
+
+
+def exit_config_error(exc: BuilderError) -> NoReturn:
+    """Leave a rank with one line for a config error, where people and torchrun look for it."""
+    line = f"invalid config: {exc}"
+    print(f"geodiloco site: {line}", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torchrun prints this as the failed rank's cause, instead of "<N/A>"
+        entry = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
+        with open(error_file, "w") as f:
+            json.dump({"message": entry}, f)
+    raise SystemExit(2)

@@ -329,11 +329,13 @@ def _add_wan_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from geodiloco.builders import check_workload
     from geodiloco.config import load_config
     from geodiloco.coordinator.durable import StateError
     from geodiloco.coordinator.server import BindError, ServeOptions, serve
 
     cfg = load_config(args.config, args.overrides)
+    check_workload(cfg)  # one dry step: a builder mismatch is a config error here, not in a rank
     try:
         opts = ServeOptions(
             host=args.host,

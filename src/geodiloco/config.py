@@ -26,7 +26,15 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 OUTER_OPTIMIZERS = ("nesterov", "fedavg")
-BUILDERS = ("model", "optimizer", "data")
+BUILDERS = ("model", "optimizer", "data", "loss")
+REFERENCE_BUILDERS = {
+    "model": "geodiloco.workload.reference:build_model",
+    "optimizer": "geodiloco.workload.reference:build_optimizer",
+    "data": "geodiloco.workload.reference:build_data",
+}
+REFERENCE_INNER = {"lr": 6e-3, "weight_decay": 0.01, "grad_clip": 1.0}
+# settings only the reference data builder reads (the rest of `data` is read by every run)
+REFERENCE_DATA_FIELDS = ("paths", "max_bytes", "eval_fraction", "eval_sequences")
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 _BUILDER_REF = re.compile(rf"{_DOTTED}:{_DOTTED}")
 
@@ -65,26 +73,56 @@ class DataConfig:
 
 @dataclass(kw_only=True, slots=True)
 class InnerConfig:
-    """The sites' own optimizer (AdamW) and the outer-sync period H."""
+    """The sites' inner steps: the outer-sync period H, the lr schedule and gradient clipping.
+
+    geodiloco applies the schedule and clipping to whatever optimizer ``workload.optimizer``
+    builds: warm-up and decay scale each parameter group's own lr, clipping bounds the global
+    gradient norm (across shards). ``lr`` and ``weight_decay`` are the reference optimizer's
+    (AdamW) and are refused with one's own, which sets its own; unset (null), they take the
+    reference defaults, and so does ``grad_clip`` with the reference optimizer, while with one's
+    own it defaults to 0 (no clipping). The saved run config holds the values used.
+    """
 
     steps_per_round: int = 25
-    lr: float = 6e-3
-    weight_decay: float = 0.01
+    lr: float | None = None  # reference optimizer: 6e-3
+    weight_decay: float | None = None  # reference optimizer: 0.01
     warmup_steps: int = 0
     decay_steps: int = 0  # cosine decay to lr * min_lr_ratio over this many steps after warm-up; 0: none
     min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
+    grad_clip: float | None = None  # reference optimizer: 1.0; one's own: 0 (not clipped)
 
     def __post_init__(self) -> None:
         _require(self.steps_per_round > 0, "inner.steps_per_round", "must be > 0")
-        _require(self.lr > 0, "inner.lr", f"must be > 0, got {self.lr}")
-        _require(self.weight_decay >= 0, "inner.weight_decay", "must be >= 0")
+        _require(self.lr is None or self.lr > 0, "inner.lr", f"must be > 0, got {self.lr}")
+        _require(self.weight_decay is None or self.weight_decay >= 0, "inner.weight_decay", "must be >= 0")
         _require(self.warmup_steps >= 0, "inner.warmup_steps", "must be >= 0")
         _require(self.decay_steps >= 0, "inner.decay_steps", "must be >= 0 (0 keeps the lr constant)")
         _require(
             0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}"
         )
-        _require(self.grad_clip >= 0, "inner.grad_clip", "must be >= 0 (0 disables clipping)")
+        _require(
+            self.grad_clip is None or self.grad_clip >= 0,
+            "inner.grad_clip",
+            "must be >= 0 (0 disables clipping)",
+        )
+
+    def resolve(self, reference_optimizer: bool, optimizer: str) -> None:
+        """Fill the unset values with what the run will use; refuse settings nobody reads."""
+        if reference_optimizer:
+            self.lr = REFERENCE_INNER["lr"] if self.lr is None else self.lr
+            self.weight_decay = (
+                REFERENCE_INNER["weight_decay"] if self.weight_decay is None else self.weight_decay
+            )
+            self.grad_clip = REFERENCE_INNER["grad_clip"] if self.grad_clip is None else self.grad_clip
+            return
+        for name in ("lr", "weight_decay"):
+            _require(
+                getattr(self, name) is None,
+                f"inner.{name}",
+                f"is read only by the reference optimizer; workload.optimizer {optimizer} sets its own "
+                "(drop the setting, or set it in your builder, e.g. from workload.options)",
+            )
+        self.grad_clip = 0.0 if self.grad_clip is None else self.grad_clip
 
 
 @dataclass(kw_only=True, slots=True)
@@ -170,17 +208,18 @@ class LimitsConfig:
 
 @dataclass(kw_only=True, slots=True)
 class WorkloadConfig:
-    """What to train: ``package.module:function`` builders for the model, the inner optimizer
-    and the data (protocols in :mod:`geodiloco.builders`), and free-form ``options`` for them.
+    """What to train: ``package.module:function`` builders for the model, the inner optimizer,
+    the data and the loss (protocols in :mod:`geodiloco.builders`), and free-form ``options``.
 
     The defaults build the reference workload. The coordinator imports the model and data
     builders (θ_0 and the ledger's shard sizes), each site all three, so the modules must be
     importable on every machine of the run (installed, or on ``PYTHONPATH``).
     """
 
-    model: str = "geodiloco.workload.reference:build_model"
-    optimizer: str = "geodiloco.workload.reference:build_optimizer"
-    data: str = "geodiloco.workload.reference:build_data"
+    model: str = REFERENCE_BUILDERS["model"]
+    optimizer: str = REFERENCE_BUILDERS["optimizer"]
+    data: str = REFERENCE_BUILDERS["data"]
+    loss: str = "geodiloco.workload.loss:build_cross_entropy"  # see geodiloco.workload.loss
     options: dict[str, Any] = field(default_factory=dict)  # read by the builders; must be JSON
     # a torch.save'd state dict (e.g. a pretrained model) loaded into the built model: θ_0 of a
     # warm start; the same file must be on every machine of the run
@@ -260,6 +299,38 @@ class RunConfig:
             f"must hold a chunk of compression.chunk_elements fp32 values ({largest_chunk} bytes), "
             f"got {self.limits.max_message_bytes}",
         )
+        optimizer = self.workload.optimizer
+        self.inner.resolve(optimizer == REFERENCE_BUILDERS["optimizer"], optimizer)
+        self._refuse_unread_settings()
+
+    def _refuse_unread_settings(self) -> None:
+        """The reference model's and corpus's settings, changed while one's own builder is
+        configured, would be silently ignored: refuse them, naming the field."""
+        readers = {  # the model settings and who reads them
+            "n_layer": ("model",),
+            "n_head": ("model",),
+            "d_model": ("model",),
+            "seq_len": ("model", "data"),  # the reference data's window length too
+        }
+        default = GPTConfig()
+        for name, keys in readers.items():
+            if all(getattr(self.workload, key) != REFERENCE_BUILDERS[key] for key in keys):
+                _require(
+                    getattr(self.model, name) == getattr(default, name),
+                    f"model.{name}",
+                    f"is read only by the reference {' and '.join(keys)} builders; workload.{keys[0]} "
+                    f"{getattr(self.workload, keys[0])} does not read it (put your settings in "
+                    "workload.options)",
+                )
+        if self.workload.data != REFERENCE_BUILDERS["data"]:
+            default_data = DataConfig()
+            for name in REFERENCE_DATA_FIELDS:
+                _require(
+                    getattr(self.data, name) == getattr(default_data, name),
+                    f"data.{name}",
+                    f"is read only by the reference data; workload.data {self.workload.data} does not "
+                    "read it (put your data's settings in workload.options)",
+                )
 
     @property
     def quorum(self) -> int:
@@ -317,7 +388,10 @@ def _coerce(hint: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected a table, got {value!r}")
         return value
     if origin in (typing.Union, types.UnionType):
-        raise ConfigError(f"{path}: unsupported type")  # not used by the config tree
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) != 1 or len(typing.get_args(hint)) != 2:
+            raise ConfigError(f"{path}: unsupported type")  # only `X | None` is used by the tree
+        return None if value is None else _coerce(args[0], value, path)
     if hint is bool:
         if isinstance(value, bool):
             return value

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from geodiloco.config import RunConfig, apply_overrides
+from geodiloco.config import REFERENCE_BUILDERS, ConfigError, RunConfig, apply_overrides
 from geodiloco.security.pki import PkiDir
 from geodiloco.security.tls import TlsFiles
 from geodiloco.site.launcher import worker_command, worker_env
@@ -44,10 +44,26 @@ class DemoOptions:
 
 
 def demo_config(opts: DemoOptions) -> RunConfig:
-    data = json.loads(json.dumps(DEMO_DEFAULTS))
+    """The demo's defaults under the user's overrides. With one's own optimizer the demo's inner
+    lr is not applied (the builder sets its own); the baseline runs the reference workload only."""
+    data = apply_overrides(json.loads(json.dumps(DEMO_DEFAULTS)), opts.overrides)
     data["sites"] = [f"site-{i + 1}" for i in range(opts.sites)]
-    data["min_sites"] = opts.sites  # same token budget as the baseline: every round waits for every site
-    return RunConfig.from_dict(apply_overrides(data, opts.overrides))
+    if not any(o.startswith("min_sites=") for o in opts.overrides):
+        data["min_sites"] = opts.sites  # same token budget as the baseline: every round waits for every site
+    workload = data.get("workload", {})
+    own_optimizer = (
+        workload.get("optimizer", REFERENCE_BUILDERS["optimizer"]) != REFERENCE_BUILDERS["optimizer"]
+    )
+    if own_optimizer and not any(o.startswith("inner.lr=") for o in opts.overrides):
+        data["inner"].pop("lr", None)
+    cfg = RunConfig.from_dict(data)
+    own = [key for key, ref in REFERENCE_BUILDERS.items() if getattr(cfg.workload, key) != ref]
+    if opts.baseline and own:
+        raise ConfigError(
+            f"workload.{own[0]}: the demo's synchronous baseline trains the reference workload only; "
+            "run the demo with --no-baseline when workload.* names your own builders"
+        )
+    return cfg
 
 
 def _spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
@@ -187,7 +203,7 @@ def _watch(
 ) -> dict[str, Any]:
     curve: list[dict[str, Any]] = []
     status = None
-    tokens_per_round = 0
+    tokens = 0  # committed rounds' tokens, as the sites' data builder counts them
     while True:
         if time.monotonic() - started > timeout_s:
             raise RuntimeError(f"the DiLoCo run did not finish within {timeout_s:.0f}s")
@@ -204,10 +220,10 @@ def _watch(
         for record in status.history[len(curve) :]:
             if record.hash_reports < len(record.contributors):
                 break  # wait until every contributor has reported its hash and eval loss
-            tokens_per_round = record.tokens
+            tokens += record.tokens
             point = {
                 "round": record.round,
-                "tokens": (record.round + 1) * record.tokens,
+                "tokens": tokens,
                 "eval_loss": record.eval_loss,
                 "wan_bytes": status.wan_bytes_in + status.wan_bytes_out,
                 "hashes_agree": record.hashes_agree,
@@ -231,7 +247,7 @@ def _watch(
         "wan_bytes": status.wan_bytes_in + status.wan_bytes_out,
         "wan_bytes_up": status.wan_bytes_in,
         "wan_bytes_down": status.wan_bytes_out,
-        "tokens": tokens_per_round * cfg.rounds,
+        "tokens": tokens,
         "hashes_agree": all(p["hashes_agree"] for p in curve),
         "wall_seconds": wall,
         "outer": {"optimizer": cfg.outer.optimizer, "lr": cfg.outer.lr, "momentum": cfg.outer.momentum},
@@ -296,15 +312,10 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         "ranks_per_site": opts.ranks_per_site,
         "inner_steps": cfg.inner.steps_per_round,
         "rounds": cfg.rounds,
-        "tokens": cfg.rounds
-        * cfg.inner.steps_per_round
-        * cfg.data.batch_size
-        * cfg.model.seq_len
-        * opts.ranks_per_site
-        * len(cfg.sites),
         "run_dir": str(run_dir),
     }
     summary["diloco"] = run_diloco(cfg, opts, run_dir)
+    summary["tokens"] = summary["diloco"]["tokens"]  # as the data builder counts them (tokens())
     if opts.baseline:
         summary["baseline"] = run_baseline(cfg, opts.ranks_per_site, run_dir)
     summary["wall_seconds"] = time.monotonic() - started

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from geodiloco.builders import build_data, build_model
+from geodiloco.builders import build_data, build_loss, build_model
 from geodiloco.config import load_config
 from geodiloco.status import fetch_status, request_shutdown
 from geodiloco.workload.steps import evaluate_batches
@@ -34,7 +34,7 @@ def test_example_trains_its_own_model_through_the_api_and_the_builders(
     monkeypatch.syspath_prepend(str(EXAMPLES))
     cfg = load_config(EXAMPLES / "mlp_teacher.toml", [f"rounds={ROUNDS}", "min_sites=2"])  # both, every round
     data = build_data(cfg)
-    initial_loss, count = evaluate_batches(build_model(cfg), data.eval_batches(0, 1))
+    initial_loss, count = evaluate_batches(build_model(cfg), data.eval_batches(0, 1), build_loss(cfg))
     initial_loss /= count
 
     coordinator, target = start_coordinator_process(cfg, tmp_path)

@@ -10,38 +10,44 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from geodiloco.workload.loss import LossFn, model_loss
+
 if TYPE_CHECKING:
     from geodiloco.config import InnerConfig
 
 
 def make_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:
+    """The reference optimizer: AdamW with ``inner.lr`` and ``inner.weight_decay``."""
+    if cfg.lr is None or cfg.weight_decay is None:
+        raise ValueError("inner.lr and inner.weight_decay are unset: RunConfig fills them for AdamW")
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def lr_at(cfg: InnerConfig, step: int) -> float:
-    """Linear warm-up to ``cfg.lr`` over ``cfg.warmup_steps`` global steps, then constant or, with
-    ``cfg.decay_steps``, a cosine decay to ``cfg.lr * cfg.min_lr_ratio`` over that many steps.
+def lr_at(cfg: InnerConfig, base: float, step: int) -> float:
+    """The lr of a parameter group built with lr ``base`` at ``step`` (global): a linear warm-up
+    to ``base`` over ``cfg.warmup_steps`` steps, then constant or, with ``cfg.decay_steps``, a
+    cosine decay to ``base * cfg.min_lr_ratio`` over that many steps.
 
     A decayed lr makes the end of a run settle: without it, a small perturbation early on (a
     lossy codec, a different reduction order) moves the final loss of a short run by percents."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+        return base * (step + 1) / cfg.warmup_steps
     if not cfg.decay_steps:
-        return cfg.lr
+        return base
     progress = min(1.0, (step - cfg.warmup_steps) / cfg.decay_steps)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    floor = base * cfg.min_lr_ratio
+    return floor + (base - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, cfg: InnerConfig, step: int) -> None:
-    """Set the lr of ``step`` (global) on every parameter group.
-
-    Without a warm-up or decay the optimizer keeps the lr it was built with (a user's builder
-    may set its own per parameter group)."""
+    """Set the lr of ``step`` (global) on every parameter group, scaling the lr each group was
+    built with (kept as ``initial_lr``, as torch's schedulers do), so a user's optimizer keeps
+    its own lrs, per group, under the run's warm-up and decay. Without either, nothing changes."""
     if not cfg.warmup_steps and not cfg.decay_steps:
         return
     for group in optimizer.param_groups:
-        group["lr"] = lr_at(cfg, step)
+        group.setdefault("initial_lr", group["lr"])
+        group["lr"] = lr_at(cfg, group["initial_lr"], step)
 
 
 def inner_step(
@@ -50,10 +56,13 @@ def inner_step(
     cfg: InnerConfig,
     step: int,
     *batch: torch.Tensor,
+    loss_fn: LossFn = model_loss,
 ) -> float:
-    """One step on ``batch``, whose mean loss is ``model(*batch)``; returns the loss."""
+    """One step on ``batch``, whose mean loss is ``loss_fn(model, batch)``; returns the loss.
+
+    Gradients are clipped to ``cfg.grad_clip`` (0: not clipped) whatever the optimizer."""
     set_lr(optimizer, cfg, step)
-    loss = model(*batch)
+    loss = loss_fn(model, batch)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if cfg.grad_clip:
@@ -90,11 +99,21 @@ def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 32) -> t
 
 
 @torch.no_grad()
-def evaluate_batches(model: nn.Module, batches: Iterable[tuple[torch.Tensor, ...]]) -> tuple[float, int]:
-    """Summed mean loss ``model(*batch)`` weighted by each batch's rows, and the rows."""
+def evaluate_batches(
+    model: nn.Module, batches: Iterable[tuple[torch.Tensor, ...]], loss_fn: LossFn = model_loss
+) -> tuple[float, int]:
+    """Summed mean loss ``loss_fn(model, batch)`` weighted by each batch's rows, and the rows.
+
+    The model is in eval mode meanwhile (no dropout, batch norm's running statistics), then
+    back in the mode it was in."""
     total, count = 0.0, 0
-    for batch in batches:
-        rows = batch[0].shape[0]
-        total += float(model(*batch)) * rows
-        count += rows
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in batches:
+            rows = batch[0].shape[0]
+            total += float(loss_fn(model, batch)) * rows
+            count += rows
+    finally:
+        model.train(was_training)
     return total, count
