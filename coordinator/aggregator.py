@@ -48,6 +48,7 @@ class WeightedMean:
         self.total = torch.zeros(numel, dtype=torch.float32)
         self.weight = 0
         self.contributors: list[str] = []
+        self.tokens: dict[str, int] = {}
 
     def add(self, site: str, delta: torch.Tensor, tokens: int) -> None:
         self.fold(site, TensorContribution(delta), tokens)
@@ -58,6 +59,7 @@ class WeightedMean:
         contribution.fold_into(self.total, float(tokens))
         self.weight += tokens
         self.contributors.append(site)
+        self.tokens[site] = tokens
 
     def mean(self) -> torch.Tensor:
         """The average, computed in place: the sum is gone afterwards (call :meth:`reset`)."""
@@ -70,3 +72,4 @@ class WeightedMean:
         self.total.zero_()
         self.weight = 0
         self.contributors = []
+        self.tokens = {}

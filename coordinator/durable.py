@@ -1,15 +1,20 @@
-"""Atomic, checksummed snapshots of the coordinator's state, one per committed round.
+"""Atomic, checksummed (or sealed) files of the coordinator's durable state, streamed.
 
-A snapshot is written to a temporary file, fsynced, renamed over the previous one and the
-directory fsynced, so after a crash at any moment the file holds either the previous or the new
-round, whole. The payload is read back with ``torch.load(weights_only=True)``: tensors and plain
-containers only, never arbitrary pickled objects.
+A file is written to a temporary name, fsynced, renamed over the previous one and the directory
+fsynced, so after a crash at any moment it holds either the previous or the new content, whole.
+Content is streamed in segments of at most ``SEGMENT_BYTES``: writing or reading a snapshot of a
+model of any size costs one segment of memory beyond the tensors themselves.
 
-When the run seals its payloads (it has a run secret), the snapshot is sealed too: AES-256-GCM
-under a key derived from the run secret for this run and file, in segments small enough for one
-AEAD call each, every segment's index, the segment count and the total length bound as associated
-data, so a segment cannot be altered, dropped, reordered or moved into another file. θ and the
-outer momentum are then as confidential at rest as on the wire.
+A state's payload is a small skeleton (plain containers, read with
+``torch.load(weights_only=True)``: never arbitrary pickled objects) followed by the raw bytes of
+its tensors, read straight into freshly allocated tensors. Files written by earlier versions
+(one ``torch.save`` payload) are still read.
+
+When the run seals its payloads (it has a run secret), these files are sealed too: AES-256-GCM
+under a key derived from the run secret for this run, every segment's index, the segment count,
+the total length and the file's label (what it is, e.g. which round) bound as associated data, so
+a segment cannot be altered, dropped, reordered or moved into another file. θ and the outer
+momentum are then as confidential at rest as on the wire.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ import hashlib
 import io
 import os
 import struct
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -31,6 +37,7 @@ _HEADER = struct.Struct("<8s32sQ")  # magic, sha256 of payload, payload length
 _SEALED_HEADER = struct.Struct("<8sIQQ")  # magic, key id, payload length, segment length
 _SEGMENT_AAD = struct.Struct("<QQQQ")  # segment index, count and length; payload length
 SEGMENT_BYTES = 64 << 20  # well under AES-GCM's (and the library's) per-call limit
+RAW_MAGIC = b"GDLRAW01"  # a payload of skeleton + raw tensors (earlier: one torch.save)
 STATE_FILE = "coordinator.state"
 STATE_LABEL = "coordinator-state"  # the at-rest key's label and the segments' associated data
 
@@ -43,30 +50,15 @@ class CorruptStateError(StateError):
     """A state file that is truncated, altered or not a geodiloco state file."""
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def save_state(path: Path, state: dict[str, Any], sealer: Sealer | None = None) -> None:
-    """Commit ``state``; sealed with ``sealer`` when given, else only checksummed."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
-    if sealer is None:
-        blob = _HEADER.pack(MAGIC, hashlib.sha256(payload).digest(), len(payload)) + payload
-    else:
-        blob = _seal(payload, sealer)
-    write_atomically(path, blob)
+    """Commit ``state`` (tensors at any depth of plain containers), streamed; sealed with
+    ``sealer`` when given, else only checksummed."""
+    skeleton, tensors = _split(state, [])
+    meta = io.BytesIO()
+    torch.save(skeleton, meta)
+    head = RAW_MAGIC + struct.pack("<Q", meta.tell()) + meta.getvalue()
+    pieces = [memoryview(head), *(_bytes_of(t) for t in tensors)]
+    write_stream(path, pieces, sealer, STATE_LABEL)
 
 
 def load_state(path: Path, sealer: Sealer | None = None) -> dict[str, Any] | None:
@@ -74,59 +66,99 @@ def load_state(path: Path, sealer: Sealer | None = None) -> dict[str, Any] | Non
 
     A sealed run reads only sealed files, with its own key; an unsealed run cannot read a sealed
     file. Anything else is refused with the reason, never loaded."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+    if not path.exists():
         return None
-    magic = data[:8]
-    if magic == SEALED_MAGIC:
-        if sealer is None:
-            raise StateError(
-                f"{path} is sealed: start the coordinator with the run's --run-secret to resume from it"
-            )
-        payload = _open(path, data, sealer)
-    elif magic == MAGIC:
-        if sealer is not None:
-            raise StateError(
-                f"{path} is not sealed, but this run seals its state: refusing a file that anyone "
-                "with access to the run directory could have written (move it away to start afresh)"
-            )
-        payload = _checked(path, data)
-    else:
-        raise CorruptStateError(f"{path}: not a geodiloco coordinator state file")
-    state: dict[str, Any] = torch.load(io.BytesIO(payload), weights_only=True)
+    reader = _Reader(read_stream(path, sealer, STATE_LABEL))
+    prefix = reader.read(len(RAW_MAGIC))
+    if prefix != RAW_MAGIC:  # an earlier version's single torch.save payload
+        legacy = prefix + reader.rest()
+        old: dict[str, Any] = torch.load(io.BytesIO(legacy), weights_only=True)
+        return old
+    (length,) = struct.unpack("<Q", reader.read(8))
+    skeleton = torch.load(io.BytesIO(reader.read(length)), weights_only=True)
+    tensors: list[torch.Tensor] = []
+    state = _join(skeleton, reader, tensors, path)
+    if reader.rest():
+        raise CorruptStateError(f"{path}: bytes after the last tensor (altered)")
+    if not isinstance(state, dict):
+        raise CorruptStateError(f"{path}: not a coordinator state")
     return state
 
 
-def _checked(path: Path, data: bytes) -> bytes:
-    if len(data) < _HEADER.size:
+def write_stream(path: Path, pieces: Iterable[memoryview], sealer: Sealer | None, label: str) -> int:
+    """Write the payload ``pieces`` to ``path`` atomically (see the module docstring); returns the
+    bytes written."""
+    pieces = list(pieces)
+    length = sum(p.nbytes for p in pieces)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        if sealer is None:
+            f.write(_HEADER.pack(MAGIC, bytes(32), length))
+            digest = hashlib.sha256()
+            for segment in _segments(pieces, SEGMENT_BYTES):
+                digest.update(segment)
+                f.write(segment)
+            f.seek(0)
+            f.write(_HEADER.pack(MAGIC, digest.digest(), length))
+        else:
+            f.write(_SEALED_HEADER.pack(SEALED_MAGIC, sealer.key_id, length, SEGMENT_BYTES))
+            count = _count(length, SEGMENT_BYTES)
+            for i, segment in enumerate(_segments(pieces, SEGMENT_BYTES)):
+                nonce, sealed = sealer.seal(
+                    bytes(segment), _segment_aad(label, i, count, SEGMENT_BYTES, length)
+                )
+                f.write(nonce)
+                f.write(sealed)
+        f.flush()
+        os.fsync(f.fileno())
+        written = os.fstat(f.fileno()).st_size
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return written
+
+
+def read_stream(path: Path, sealer: Sealer | None, label: str) -> Iterator[bytes]:
+    """The verified payload of ``path`` in segments. A checksummed file is verified at its end:
+    the consumer must finish the iteration before trusting what it read."""
+    with open(path, "rb") as f:
+        magic = f.read(8)
+        f.seek(0)
+        size = os.fstat(f.fileno()).st_size
+        if magic == SEALED_MAGIC:
+            if sealer is None:
+                raise StateError(
+                    f"{path} is sealed: start the coordinator with the run's --run-secret to resume from it"
+                )
+            yield from _open_segments(path, f, size, sealer, label)
+        elif magic == MAGIC:
+            if sealer is not None:
+                raise StateError(
+                    f"{path} is not sealed, but this run seals its state: refusing a file that anyone "
+                    "with access to the run directory could have written (move it away to start afresh)"
+                )
+            yield from _checked_segments(path, f, size)
+        else:
+            raise CorruptStateError(f"{path}: not a geodiloco coordinator state file")
+
+
+def _checked_segments(path: Path, f: BinaryIO, size: int) -> Iterator[bytes]:
+    if size < _HEADER.size:
         raise CorruptStateError(f"{path}: shorter than its header")
-    _, digest, length = _HEADER.unpack_from(data)
-    payload = data[_HEADER.size :]
-    if len(payload) != length or hashlib.sha256(payload).digest() != digest:
+    _, expected, length = _HEADER.unpack(f.read(_HEADER.size))
+    if size - _HEADER.size != length:
         raise CorruptStateError(f"{path}: checksum mismatch (truncated or altered)")
-    return payload
+    digest = hashlib.sha256()
+    while segment := f.read(SEGMENT_BYTES):
+        digest.update(segment)
+        yield segment
+    if digest.digest() != expected:
+        raise CorruptStateError(f"{path}: checksum mismatch (truncated or altered)")
 
 
-def _segment_aad(index: int, count: int, segment_bytes: int, length: int) -> bytes:
-    return SEALED_MAGIC + STATE_LABEL.encode() + _SEGMENT_AAD.pack(index, count, segment_bytes, length)
-
-
-def _seal(payload: bytes, sealer: Sealer) -> bytes:
-    view = memoryview(payload)
-    count = max(1, -(-len(payload) // SEGMENT_BYTES))
-    parts = [_SEALED_HEADER.pack(SEALED_MAGIC, sealer.key_id, len(payload), SEGMENT_BYTES)]
-    for i in range(count):
-        segment = bytes(view[i * SEGMENT_BYTES : (i + 1) * SEGMENT_BYTES])
-        nonce, sealed = sealer.seal(segment, _segment_aad(i, count, SEGMENT_BYTES, len(payload)))
-        parts += (nonce, sealed)
-    return b"".join(parts)
-
-
-def _open(path: Path, data: bytes, sealer: Sealer) -> bytes:
-    if len(data) < _SEALED_HEADER.size:
+def _open_segments(path: Path, f: BinaryIO, size: int, sealer: Sealer, label: str) -> Iterator[bytes]:
+    if size < _SEALED_HEADER.size:
         raise CorruptStateError(f"{path}: shorter than its header")
-    _, key_id, length, segment_bytes = _SEALED_HEADER.unpack_from(data)
+    _, key_id, length, segment_bytes = _SEALED_HEADER.unpack(f.read(_SEALED_HEADER.size))
     if key_id != sealer.key_id:
         raise StateError(
             f"{path} was sealed under another run secret (key id {key_id:08x}, this run's is "
@@ -134,21 +166,136 @@ def _open(path: Path, data: bytes, sealer: Sealer) -> bytes:
         )
     if not 0 < segment_bytes <= SEGMENT_BYTES:
         raise CorruptStateError(f"{path}: segment length {segment_bytes} out of range (altered)")
-    count = max(1, -(-length // segment_bytes))
+    count = _count(length, segment_bytes)
     expected = _SEALED_HEADER.size + count * (NONCE_BYTES + TAG_BYTES) + length
-    if len(data) != expected:
+    if size != expected:
         raise CorruptStateError(
-            f"{path}: {len(data)} bytes where the header says {expected} (truncated or altered)"
+            f"{path}: {size} bytes where the header says {expected} (truncated or altered)"
         )
-    out, at = bytearray(), _SEALED_HEADER.size
     for i in range(count):
-        size = min(segment_bytes, length - i * segment_bytes) + TAG_BYTES
-        nonce, sealed = data[at : at + NONCE_BYTES], data[at + NONCE_BYTES : at + NONCE_BYTES + size]
-        at += NONCE_BYTES + size
+        nonce = f.read(NONCE_BYTES)
+        sealed = f.read(min(segment_bytes, length - i * segment_bytes) + TAG_BYTES)
         try:
-            out += sealer.open(nonce, sealed, _segment_aad(i, count, segment_bytes, length))
+            yield sealer.open(nonce, sealed, _segment_aad(label, i, count, segment_bytes, length))
         except SealError:
             raise CorruptStateError(
                 f"{path}: segment {i} of {count} does not authenticate (altered, or not this run's file)"
             ) from None
-    return bytes(out)
+
+
+def _count(length: int, segment_bytes: int) -> int:
+    return max(1, -(-length // segment_bytes))
+
+
+def _segment_aad(label: str, index: int, count: int, segment_bytes: int, length: int) -> bytes:
+    return SEALED_MAGIC + label.encode() + _SEGMENT_AAD.pack(index, count, segment_bytes, length)
+
+
+def _segments(pieces: list[memoryview], size: int) -> Iterator[memoryview]:
+    """The concatenation of ``pieces`` cut into ``size``-byte segments (the last may be shorter),
+    copying only where a segment straddles two pieces."""
+    buffer = bytearray()
+    for piece in pieces:
+        at = 0
+        if buffer:
+            take = min(size - len(buffer), piece.nbytes)
+            buffer += piece[:take]
+            at = take
+            if len(buffer) == size:
+                yield memoryview(buffer)
+                buffer = bytearray()
+        while piece.nbytes - at >= size:
+            yield piece[at : at + size]
+            at += size
+        if at < piece.nbytes:
+            buffer += piece[at:]
+    if buffer or not pieces:
+        yield memoryview(buffer)
+
+
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data.cast("B")
+
+
+_DTYPES = {
+    str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+}
+
+
+def _split(obj: Any, tensors: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
+    """``obj`` with every tensor replaced by a placeholder naming its place in ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return {_TENSOR: len(tensors) - 1, "dtype": str(obj.dtype), "shape": list(obj.shape)}, tensors
+    if isinstance(obj, dict):
+        return {k: _split(v, tensors)[0] for k, v in obj.items()}, tensors
+    if isinstance(obj, (list, tuple)):
+        return [_split(v, tensors)[0] for v in obj], tensors
+    return obj, tensors
+
+
+def _join(obj: Any, reader: _Reader, tensors: list[torch.Tensor], path: Path) -> Any:
+    """The skeleton with its placeholders filled, reading the tensors in order."""
+    if isinstance(obj, dict) and _TENSOR in obj:
+        dtype = _DTYPES.get(obj.get("dtype", ""))
+        shape = obj.get("shape")
+        if dtype is None or not isinstance(shape, list) or obj[_TENSOR] != len(tensors):
+            raise CorruptStateError(f"{path}: a tensor's description is not valid (altered)")
+        t = torch.empty(shape, dtype=dtype)
+        reader.readinto(_bytes_of(t))
+        tensors.append(t)
+        return t
+    if isinstance(obj, dict):
+        return {k: _join(v, reader, tensors, path) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_join(v, reader, tensors, path) for v in obj]
+    return obj
+
+
+_TENSOR = "__tensor__"
+
+
+class _Reader:
+    """Sequential reads over a stream of verified segments."""
+
+    def __init__(self, segments: Iterator[bytes]) -> None:
+        self._segments = segments
+        self._current = memoryview(b"")
+
+    def _fill(self) -> bool:
+        try:
+            self._current = memoryview(next(self._segments))
+        except StopIteration:
+            return False
+        return True
+
+    def readinto(self, out: memoryview) -> None:
+        at = 0
+        while at < out.nbytes:
+            if not self._current.nbytes and not self._fill():
+                raise CorruptStateError("the state ends early (truncated)")
+            take = min(out.nbytes - at, self._current.nbytes)
+            out[at : at + take] = self._current[:take]
+            self._current = self._current[take:]
+            at += take
+
+    def read(self, n: int) -> bytes:
+        out = bytearray(n)
+        self.readinto(memoryview(out))
+        return bytes(out)
+
+    def rest(self) -> bytes:
+        """Everything left; reaching the end also completes the stream's verification."""
+        parts = [bytes(self._current)]
+        while self._fill():
+            parts.append(bytes(self._current))
+        self._current = memoryview(b"")
+        return b"".join(parts)

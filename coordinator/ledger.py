@@ -123,6 +123,16 @@ class DataLedger:
                 self.consumed.append(ConsumedRecord(round_, site, r))
         self.reservations.clear()
 
+    def replay(self, round_: int, consumed: list[list[Any]]) -> None:
+        """Apply a logged round's consumed ranges ``[site, shard, start, end, epoch]`` (a restart
+        replaying the rounds after its snapshot): the cursors end where the round left them."""
+        self.reservations.clear()
+        for site, index, start, end, epoch in consumed:
+            shard = self.shards[index]
+            shard.consumed, shard.epoch = end, epoch
+            shard.owner = site if end < shard.size else None
+            self.consumed.append(ConsumedRecord(round_, site, DataRange(index, start, end, epoch)))
+
     def release_site(self, site: str) -> None:
         """A lost or departed site: its reservation is dropped and its shards return to the pool."""
         self.reservations.pop(site, None)

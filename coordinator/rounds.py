@@ -26,7 +26,7 @@ from geodiloco.compression import EncodedChunk, ErrorFeedback, Place, parse_pipe
 from geodiloco.compression.frames import chunk_ranges
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.aggregator import Contribution, TensorContribution, WeightedMean, sum_of_squares
-from geodiloco.coordinator.durable import STATE_FILE, StateError, load_state, save_state
+from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError, StateError, load_state, save_state
 from geodiloco.coordinator.errors import (
     ContributionMissing,
     FailedPrecondition,
@@ -35,8 +35,10 @@ from geodiloco.coordinator.errors import (
     PermissionDenied,
 )
 from geodiloco.coordinator.ledger import DataLedger, LedgerExhausted
-from geodiloco.coordinator.outer_optimizer import build_outer_optimizer
+from geodiloco.coordinator.outer_optimizer import NesterovOuter, build_outer_optimizer
+from geodiloco.coordinator.replay import apply_update
 from geodiloco.coordinator.reports import REPORT_LOG, HashReport, append_report, read_reports
+from geodiloco.coordinator.updatelog import LoggedUpdate, logged_rounds, prune, read_update, write_update
 from geodiloco.params import Checksum, state_hash
 from geodiloco.security.sealing import Sealer
 from geodiloco.workload.data import DataRange
@@ -121,15 +123,25 @@ class RoundController:
     def __init__(
         self,
         cfg: RunConfig,
-        initial: torch.Tensor,
+        initial: torch.Tensor | None,
         shard_sizes: list[int],
         run_dir: Path | None = None,
         sealer: Sealer | None = None,
     ) -> None:
+        """``initial`` is θ_0; it may be None only when ``run_dir`` holds a snapshot to resume."""
         self.cfg = cfg
+        self.run_dir = run_dir
+        self.sealer = sealer
+        state = None
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            state = load_state(run_dir / STATE_FILE, sealer)
+        if initial is None and state is None:
+            raise StateError(f"no saved state in {run_dir} to resume, and no initial parameters given")
+        theta = initial if initial is not None else state["theta"]  # type: ignore[index]
         self.shard_sizes = list(shard_sizes)
         self.ledger = DataLedger.create(self.shard_sizes, cfg.sites)
-        self.theta = initial.detach().to(torch.float32).clone()
+        self.theta = theta.detach().to(torch.float32).clone()
         self.num_params = self.theta.numel()
         self.round = 0
         self.optimizer = build_outer_optimizer(cfg.outer)
@@ -139,9 +151,9 @@ class RoundController:
         self.downlink_feedback = ErrorFeedback(self.num_params, cfg.compression.feedback_decay)
         self.sites = {name: SiteRecord(name, i) for i, name in enumerate(cfg.sites)}
         self.mean = WeightedMean(self.num_params)
-        self.updates: dict[int, CommittedUpdate] = {}
+        self.updates: dict[int, CommittedUpdate] = {}  # the latest; older ones are read from the log
         self.history: list[RoundRecord] = []
-        self.hashes: dict[int, str] = {0: state_hash(self.theta)}
+        self.hashes: dict[int, str] = {} if state is not None else {0: state_hash(self.theta)}
         self.theta_norm = math.sqrt(sum_of_squares(self.theta))
         self.round_opened = time.monotonic()
         self.first_contribution: float | None = None  # the round's deadline counts from here
@@ -150,17 +162,59 @@ class RoundController:
         self._full_state: FullState | None = None
         self._changed = asyncio.Condition()
         self._commit_lock = asyncio.Lock()
-        self.run_dir = run_dir
-        self.sealer = sealer
         self._logged: int | None = None  # lines in the round log, once read
+        self._round_tokens: dict[str, int] = {}
+        self.disk_bytes = 0  # written by the last commit
+        self.snapshot_round: int | None = None  # the round of the snapshot on disk
         if run_dir is not None:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            state = load_state(run_dir / STATE_FILE, sealer)
             if state is not None:
                 self.restore(state)
-                self._sync_round_log()
-                for report in read_reports(run_dir / REPORT_LOG):
-                    self._apply_report(report)
+                self.snapshot_round = self.round
+            self._replay()
+            self._sync_round_log()
+            for report in read_reports(run_dir / REPORT_LOG):
+                self._apply_report(report)
+
+    def _replay(self) -> None:
+        """Apply the rounds logged after the snapshot, each checked against the hash chain."""
+        assert self.run_dir is not None
+        replayed = 0
+        for r in logged_rounds(self.run_dir):
+            if r < self.round:
+                continue
+            if r != self.round:
+                raise CorruptStateError(f"{self.run_dir}: round {self.round} is not logged, but round {r} is")
+            update = read_update(self.run_dir, r, self.sealer)
+            assert update is not None
+            if update.run_id != self.cfg.run_id:
+                raise StateError(
+                    f"the state in {self.run_dir} belongs to run {update.run_id!r}, not {self.cfg.run_id!r}"
+                )
+            if update.base_hash != self.hashes[r]:
+                raise CorruptStateError(f"{self.run_dir}: the update of round {r} does not start from θ_{r}")
+            self._apply_logged(update)
+            replayed += 1
+        if replayed:
+            log.info("replayed %d logged rounds; at round %d", replayed, self.round)
+
+    def _apply_logged(self, update: LoggedUpdate) -> None:
+        r = update.round
+        try:
+            self.theta_norm = apply_update(self.theta, update)
+        except CorruptStateError as exc:
+            raise CorruptStateError(f"{self.run_dir}: {exc}") from None
+        fields = {k: v for k, v in update.record.items() if k != "tokens_by_site"}
+        record = RoundRecord(**fields)
+        self.history.append(record)
+        self.ledger.replay(r, record.data)
+        for name, tokens in update.record.get("tokens_by_site", {}).items():
+            if name in self.sites:
+                site = self.sites[name]
+                site.last_round, site.accepted, site.tokens = r, site.accepted + 1, site.tokens + tokens
+        if isinstance(self.optimizer, NesterovOuter):
+            self.optimizer.steps += 1  # the momentum itself resumes from the snapshot
+        self.hashes[r + 1] = update.state_hash
+        self.round = r + 1
 
     # -- membership -------------------------------------------------------------------------
 
@@ -371,10 +425,12 @@ class RoundController:
         r, mean = self.round, self.mean
         started = time.monotonic()
         contributors, tokens = sorted(mean.contributors), mean.weight
+        self._round_tokens = dict(mean.tokens)
         update = await asyncio.to_thread(self._advance, r)
         digest = update.state_hash
         self.updates[r] = update
-        self.updates.pop(r - KEEP_UPDATES, None)
+        kept = 1 if self.run_dir is not None else KEEP_UPDATES  # with a run directory: in the log
+        self.updates.pop(r - kept, None)
         self.hashes[r + 1] = digest
         consumed = [
             [site, d.shard, d.start, d.end, d.epoch] for site in contributors for d in self.data_for(site)
@@ -430,17 +486,67 @@ class RoundController:
         return CommittedUpdate(round_, self.downlink.spec, chunks, checksum.hexdigest())
 
     async def _persist(self) -> None:
-        """Commit the state atomically, then the round log. Crash-only: if the state cannot be
-        written, the process exits and a restart resumes from the last committed round."""
+        """Log the round just committed (its compressed update and record), and every
+        ``snapshot_every`` rounds the whole state, then the round log. Crash-only: if a write
+        fails, the process exits and a restart resumes from the last durable round."""
         if self.run_dir is None:
             return
-        snapshot = self.snapshot()
+        r = self.round - 1
+        update, record = self.updates[r], self.history[-1]
+        logged = LoggedUpdate(
+            self.cfg.run_id,
+            r,
+            update.codec,
+            self.hashes[r],
+            update.state_hash,
+            update.chunks,
+            {**dataclasses.asdict(record), "tokens_by_site": self._round_tokens},
+        )
+        due = self.round % self.cfg.snapshot_every == 0 or self.finished
+        snapshot = self.snapshot() if due else None  # the small parts, read on the loop
         try:
-            await asyncio.to_thread(save_state, self.run_dir / STATE_FILE, snapshot, self.sealer)
+            await asyncio.to_thread(self._write_commit, logged, snapshot)
         except OSError:
-            log.critical("cannot commit round %d to %s; exiting", self.round - 1, self.run_dir, exc_info=True)
+            log.critical("cannot commit round %d to %s; exiting", r, self.run_dir, exc_info=True)
             os._exit(70)
         self._sync_round_log()
+
+    def _write_commit(self, logged: LoggedUpdate, snapshot: dict[str, Any] | None) -> None:
+        assert self.run_dir is not None
+        self.disk_bytes = write_update(self.run_dir, logged, self.sealer)
+        if snapshot is not None:
+            self.disk_bytes += self._write_snapshot(snapshot)
+        assert self.snapshot_round is None or self.snapshot_round <= self.round
+        floor = min(self.round - KEEP_UPDATES, self.snapshot_round if self.snapshot_round is not None else 0)
+        prune(self.run_dir, floor)
+
+    def _write_snapshot(self, snapshot: dict[str, Any]) -> int:
+        assert self.run_dir is not None
+        path = self.run_dir / STATE_FILE
+        save_state(path, snapshot, self.sealer)
+        self.snapshot_round = int(snapshot["round"])
+        return path.stat().st_size
+
+    async def checkpoint(self) -> None:
+        """Snapshot the whole state now unless the snapshot on disk is current (graceful stop),
+        so the next start replays nothing and resumes the outer momentum exactly."""
+        if self.run_dir is None:
+            return
+        async with self._commit_lock:
+            if self.snapshot_round == self.round:
+                return
+            await asyncio.to_thread(self._write_snapshot, self.snapshot())
+
+    async def kept_update(self, round_: int) -> CommittedUpdate | None:
+        """The committed update closing ``round_``, from memory or the update log; None when
+        it is no longer kept."""
+        update = self.updates.get(round_)
+        if update is not None or self.run_dir is None or round_ < self.round - KEEP_UPDATES:
+            return update
+        logged = await asyncio.to_thread(read_update, self.run_dir, round_, self.sealer)
+        if logged is None:
+            return None
+        return CommittedUpdate(logged.round, logged.codec, logged.chunks, logged.state_hash)
 
     def _sync_round_log(self) -> None:
         """Append the committed rounds the log does not have yet (one line each, in order)."""
@@ -474,9 +580,9 @@ class RoundController:
             "version": 1,
             "run_id": self.cfg.run_id,
             "round": self.round,
-            "theta": self.theta.clone(),
+            "theta": self.theta,  # written while the commit lock keeps it still
             "optimizer": self.optimizer.state_dict(),
-            "downlink_residual": self.downlink_feedback.residual.clone(),
+            "downlink_residual": self.downlink_feedback.residual,
             "hashes": dict(self.hashes),
             "sites": {name: _site_state(s) for name, s in self.sites.items()},
             "history": [dataclasses.asdict(h) for h in self.history],
@@ -491,7 +597,7 @@ class RoundController:
         theta = state["theta"]
         if theta.numel() != self.num_params:
             raise StateError(f"the saved state has {theta.numel()} parameters, the model {self.num_params}")
-        self.theta = theta.clone()
+        self.theta = theta
         self.theta_norm = math.sqrt(sum_of_squares(self.theta))
         self.round = int(state["round"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -538,7 +644,7 @@ class RoundController:
         async with self._changed:
             await self._changed.wait_for(lambda: self.round > round_)
         await self.settle()  # the round counter moves before the commit is durable: wait for that
-        return self.updates.get(round_)
+        return await self.kept_update(round_)
 
     def full_state(self) -> FullState:
         """θ at the current round, lossless; cached until the next commit."""

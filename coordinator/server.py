@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from geodiloco import logs
 from geodiloco.builders import build_data, build_model
 from geodiloco.config import RunConfig
-from geodiloco.coordinator.durable import STATE_LABEL
+from geodiloco.coordinator.durable import STATE_FILE, STATE_LABEL
 from geodiloco.coordinator.journal import Journal
 from geodiloco.coordinator.metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
@@ -130,6 +130,7 @@ class RunningServer:
         progress become durable, then give open calls ``grace_s`` to finish."""
         await self.health.enter_graceful_shutdown()
         await self.controller.settle()
+        await self.controller.checkpoint()  # the next start replays nothing
         log.info(
             "stopping: %d rounds committed%s; grace %.1fs for open calls",
             self.controller.round,
@@ -227,7 +228,9 @@ async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
     """The `geodiloco coordinator serve` process: serve until SIGINT/SIGTERM or Shutdown."""
     security = opts.security(cfg.run_id)
     sealer = security.keyring.at_rest(STATE_LABEL) if security.keyring else None  # state sealed at rest
-    controller = RoundController(cfg, initial_parameters(cfg), data_shard_sizes(cfg), opts.run_dir, sealer)
+    resumes = opts.run_dir is not None and (opts.run_dir / STATE_FILE).exists()
+    initial = None if resumes else initial_parameters(cfg)  # θ_0 only when no snapshot holds θ
+    controller = RoundController(cfg, initial, data_shard_sizes(cfg), opts.run_dir, sealer)
     logs.bind(run=cfg.run_id, round=lambda: controller.round)
     running = await start_server(controller, opts.host, opts.port, security=security, grace_s=opts.grace_s)
     metrics: MetricsServer | None = None

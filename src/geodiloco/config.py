@@ -255,6 +255,9 @@ class RunConfig:
     round_timeout_s: float = 600.0
     heartbeat_interval_s: float = 2.0
     lease_s: float = 15.0
+    # rounds between full snapshots of the coordinator's state; each round in between is logged
+    # as its compressed update only (a restart replays them), and a graceful stop snapshots too
+    snapshot_every: int = 10
     seed: int = 1234
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -287,6 +290,7 @@ class RunConfig:
         )
         _require(self.round_timeout_s > 0, "round_timeout_s", "must be > 0")
         _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
+        _require(self.snapshot_every > 0, "snapshot_every", f"must be > 0, got {self.snapshot_every}")
         _require(
             self.lease_s > self.heartbeat_interval_s,
             "lease_s",

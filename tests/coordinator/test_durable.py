@@ -34,7 +34,7 @@ def sealer(secret: bytes = RUN_SECRET) -> Sealer:
 
 
 def controller(run_dir: Path, key: Sealer | None) -> RoundController:
-    cfg = tiny_config(round_timeout_s=0.2, limits__max_delta_norm_ratio=0.0)
+    cfg = tiny_config(round_timeout_s=0.2, limits__max_delta_norm_ratio=0.0, snapshot_every=1)
     return RoundController(cfg, torch.zeros(N), [1000] * cfg.data.shards, run_dir, key)
 
 

@@ -147,6 +147,7 @@ async def test_state_survives_a_restart_bit_for_bit(tmp_path: Path) -> None:
     for r in range(2):
         for site in c.cfg.sites:
             await c.contribute(site, "", r, 100, torch.randn(N) * 0.01)
+    await c.checkpoint()  # a graceful stop: the snapshot holds everything, momentum included
     restarted = controller(tmp_path)
     assert restarted.round == 2 and torch.equal(restarted.theta, c.theta)
     assert restarted.hashes == c.hashes
@@ -163,7 +164,7 @@ async def test_state_survives_a_restart_bit_for_bit(tmp_path: Path) -> None:
 
 
 def test_corrupt_state_is_refused(tmp_path: Path) -> None:
-    c = controller(tmp_path)
+    c = controller(tmp_path, snapshot_every=1)
     asyncio.run(_one_round(c))
     path = tmp_path / STATE_FILE
     data = bytearray(path.read_bytes())

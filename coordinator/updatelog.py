@@ -1,0 +1,116 @@
+"""The log of committed rounds: one file per round holding its compressed update and record.
+
+A commit costs the disk what the round costs the wire: the downlink update exactly as the sites
+receive it (plus a small record), not the model. ``RUN_DIR/updates/<round>.update`` is written
+atomically, checksummed or sealed like the state (:mod:`.durable`, labelled with its round, so
+a file cannot be passed off as another round's), before the round is published. A snapshot of
+the whole state is taken every few rounds; a restart loads the last snapshot and replays the
+updates logged after it, each checked against the hash chain (the θ it starts from and the θ
+it gives). The same files serve sites that fell a round or two behind.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from geodiloco.compression import EncodedChunk
+from geodiloco.coordinator.durable import CorruptStateError, read_stream, write_stream
+from geodiloco.security.sealing import Sealer
+
+UPDATES_DIR = "updates"
+_SUFFIX = ".update"
+_LENGTH = struct.Struct("<Q")
+
+
+@dataclass(slots=True)
+class LoggedUpdate:
+    """One committed round as logged: θ_round + decode(chunks) = θ_{round+1}."""
+
+    run_id: str
+    round: int
+    codec: str
+    base_hash: str  # of θ_round
+    state_hash: str  # of θ_{round+1}
+    chunks: list[EncodedChunk]
+    record: dict[str, Any]  # the round record and each contributor's tokens
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(c.payload) for c in self.chunks)
+
+
+def update_path(run_dir: Path, round_: int) -> Path:
+    return run_dir / UPDATES_DIR / f"{round_:012d}{_SUFFIX}"
+
+
+def _label(round_: int) -> str:
+    return f"coordinator-update:{round_}"
+
+
+def write_update(run_dir: Path, update: LoggedUpdate, sealer: Sealer | None) -> int:
+    """Log one committed round durably; returns the bytes written."""
+    (run_dir / UPDATES_DIR).mkdir(exist_ok=True)
+    meta = {
+        "run_id": update.run_id,
+        "round": update.round,
+        "codec": update.codec,
+        "base_hash": update.base_hash,
+        "state_hash": update.state_hash,
+        "chunks": [[c.start, c.numel, len(c.payload)] for c in update.chunks],
+        "record": update.record,
+    }
+    head = json.dumps(meta).encode()
+    pieces = [memoryview(_LENGTH.pack(len(head)) + head), *(memoryview(c.payload) for c in update.chunks)]
+    return write_stream(update_path(run_dir, update.round), pieces, sealer, _label(update.round))
+
+
+def read_update(run_dir: Path, round_: int, sealer: Sealer | None) -> LoggedUpdate | None:
+    """The logged update closing ``round_``, verified; None when it is not (or no longer) logged."""
+    path = update_path(run_dir, round_)
+    if not path.exists():
+        return None
+    data = b"".join(read_stream(path, sealer, _label(round_)))
+    try:
+        (length,) = _LENGTH.unpack_from(data)
+        meta = json.loads(data[_LENGTH.size : _LENGTH.size + length])
+        at, chunks = _LENGTH.size + length, []
+        for start, numel, size in meta["chunks"]:
+            chunks.append(EncodedChunk(int(start), int(numel), data[at : at + size]))
+            at += size
+        update = LoggedUpdate(
+            meta["run_id"],
+            int(meta["round"]),
+            meta["codec"],
+            meta["base_hash"],
+            meta["state_hash"],
+            chunks,
+            meta["record"],
+        )
+    except (ValueError, KeyError, TypeError, struct.error) as exc:
+        raise CorruptStateError(f"{path}: not a logged update ({exc})") from None
+    if update.round != round_ or at != len(data):
+        raise CorruptStateError(f"{path}: holds round {update.round}, not {round_} (moved or altered)")
+    return update
+
+
+def logged_rounds(run_dir: Path) -> list[int]:
+    """The rounds with a logged update, in order (leftover temporary files are not rounds)."""
+    folder = run_dir / UPDATES_DIR
+    if not folder.is_dir():
+        return []
+    return sorted(
+        int(p.name[: -len(_SUFFIX)]) for p in folder.glob(f"*{_SUFFIX}") if p.name[: -len(_SUFFIX)].isdigit()
+    )
+
+
+def prune(run_dir: Path, keep_from: int) -> None:
+    """Forget updates before ``keep_from`` (covered by a snapshot and too old for catch-up)."""
+    for round_ in logged_rounds(run_dir):
+        if round_ < keep_from:
+            update_path(run_dir, round_).unlink(missing_ok=True)
+    for leftover in (run_dir / UPDATES_DIR).glob("*.tmp"):  # a crash mid-write: never renamed
+        leftover.unlink(missing_ok=True)
