@@ -23,11 +23,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from geodiloco.params import canonical_parameters
 from geodiloco.site.outer_sync import OuterSync
-from geodiloco.site.shards import ShardMap, local_tensor
+from geodiloco.site.shards import ShardMap, local_tensor, replica_dims
 from geodiloco.workload.data import DataRange
 
 log = logging.getLogger("geodiloco.site")
@@ -81,9 +81,10 @@ def _residual_like_params(sync: OuterSync) -> list[torch.Tensor]:
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(piece)
             continue
-        for dim, placement in enumerate(p.placements):
-            if isinstance(placement, Replicate) and p.device_mesh.size(dim) > 1:
-                dist.all_reduce(piece, group=p.device_mesh.get_group(dim))
+        mesh, dims = replica_dims(p)
+        for dim in dims:
+            if mesh.size(dim) > 1:
+                dist.all_reduce(piece, group=mesh.get_group(dim))
     return pieces
 
 

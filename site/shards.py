@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from geodiloco.params import canonical_parameters
 from geodiloco.segment import Segment
@@ -57,13 +59,48 @@ def _as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 def _placement_box(p: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     for placement in p.placements:
-        if (isinstance(placement, Shard) and placement.dim >= 2) or not isinstance(
-            placement, Shard | Replicate
+        if (isinstance(placement, Shard | _StridedShard) and placement.dim >= 2) or not isinstance(
+            placement, Shard | _StridedShard | Replicate
         ):
             raise ValueError(f"placement {placement} is not supported: shard on dim 0 or 1, or replicate")
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if any(isinstance(placement, _StridedShard) for placement in p.placements):
+        offset = tuple(_first_index(p, dim) if dim < 2 else 0 for dim in range(p.dim()))
     return tuple(shape), tuple(offset)
+
+
+def _first_index(p: DTensor, dim: int) -> int:
+    """The global index of this rank's first element along ``dim``, checking that its elements
+    along ``dim`` are consecutive. FSDP2 over a tensor-parallel model shards a dim twice
+    (``_StridedShard`` then ``Shard``); each rank's rows still form one block, found here by
+    sharding the indices of that dim alone the same way (locally: no communication)."""
+    placements = [
+        (_StridedShard(0, split_factor=pl.split_factor) if isinstance(pl, _StridedShard) else Shard(0))
+        if isinstance(pl, Shard | _StridedShard) and pl.dim == dim
+        else Replicate()
+        for pl in p.placements
+    ]
+    index = torch.arange(p.shape[dim], device=p.device_mesh.device_type)
+    local = distribute_tensor(index, p.device_mesh, placements, src_data_rank=None).to_local()
+    if local.numel() == 0:
+        return p.shape[dim]
+    first = int(local[0])
+    if int(local[-1]) - first != local.numel() - 1 or not bool((local.diff() == 1).all()):
+        raise ValueError(f"placements {p.placements}: this rank's elements along dim {dim} are not one block")
+    return first
+
+
+def replica_dims(p: DTensor) -> tuple[DeviceMesh, list[int]]:
+    """The site's whole mesh and its dims along which ranks hold the same local piece of ``p``:
+    its Replicate dims, and the dims its own mesh does not span (FSDP2's dp mesh under TP)."""
+    mesh = p.device_mesh
+    root = mesh._get_root_mesh()
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if names is None or root_names is None:
+        return mesh, [d for d, pl in enumerate(p.placements) if isinstance(pl, Replicate)]
+    kept = {names[d] for d, pl in enumerate(p.placements) if not isinstance(pl, Replicate)}
+    return root, [d for d, name in enumerate(root_names) if name not in kept]
 
 
 def _replicas(p: torch.Tensor, rank: int, world: int) -> tuple[tuple[int, ...], int, int]:
@@ -71,15 +108,13 @@ def _replicas(p: torch.Tensor, rank: int, world: int) -> tuple[tuple[int, ...], 
     index among them and their count."""
     if not isinstance(p, DTensor):
         return (-1,), rank, world  # a plain tensor: every rank of the site holds all of it
-    mesh = p.device_mesh
-    coord = mesh.get_coordinate()
+    root, replicated = replica_dims(p)
+    coord = root.get_coordinate()
     assert coord is not None
-    dims, index, count = [], 0, 1
-    for dim, placement in enumerate(p.placements):
-        if isinstance(placement, Replicate):
-            dims.append(dim)
-            index, count = index * mesh.size(dim) + coord[dim], count * mesh.size(dim)
-    return tuple(dims), index, count
+    index, count = 0, 1
+    for dim in replicated:
+        index, count = index * root.size(dim) + coord[dim], count * root.size(dim)
+    return tuple(replicated), index, count
 
 
 def _piece(name: str, p: torch.Tensor, offset: int) -> Piece:

@@ -101,12 +101,24 @@ def _rank_main(rank: int, world: int, port: int, layout: str, precision: str, ou
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize(("layout", "precision"), [("ddp", "fp32"), ("fsdp", "bf16"), ("tp", "fp32")])
-def test_each_layout_owns_every_element_exactly_once(layout: str, precision: str) -> None:
+@pytest.mark.parametrize(
+    ("layout", "precision", "world"),
+    [
+        ("ddp", "fp32", 2),
+        ("fsdp", "bf16", 2),
+        ("tp", "fp32", 2),
+        ("ddp", "bf16", 2),
+        ("hsdp", "bf16", 4),
+        ("fsdp+tp", "bf16", 4),  # FSDP2 over TP: a strided shard of the TP-split rows
+    ],
+)
+def test_each_layout_owns_every_element_exactly_once(layout: str, precision: str, world: int) -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, layout, precision, out)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, layout, precision, out)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = sorted((out.get(timeout=120) for _ in procs), key=lambda r: r["rank"])
@@ -114,7 +126,7 @@ def test_each_layout_owns_every_element_exactly_once(layout: str, precision: str
         p.join(30)
         assert p.exitcode == 0
     n = results[0]["num_params"]
-    owned = results[0]["owned"] + results[1]["owned"]
+    owned = [i for r in results for i in r["owned"]]
     assert sorted(owned) == list(range(n))  # disjoint, and together everything
     assert all(
         r["rebuilt"] and math.isfinite(r["loss"]) for r in results
