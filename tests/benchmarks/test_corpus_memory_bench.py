@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
-from conftest import RunBenchmark
 
 pytestmark = pytest.mark.integration
 
 
-def test_corpus_memory_smoke(run_benchmark: RunBenchmark) -> None:
+def test_corpus_memory_smoke(run_benchmark: Callable[..., Any]) -> None:
     r = run_benchmark("corpus_memory.py", timeout_s=540)
     assert r["settings"] == {"rounds": 1, "steps_per_round": 2, "sites": 1, "ranks": 1}
     assert [run["corpus_bytes"] for run in r["runs"]] == [1_000_000, 40_000_000]
