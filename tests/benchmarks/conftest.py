@@ -15,11 +15,9 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
-RunBenchmark = Callable[..., Any]
-
 
 @pytest.fixture
-def run_benchmark(tmp_path: Path) -> RunBenchmark:
+def run_benchmark(tmp_path: Path) -> Callable[..., Any]:
     """``run_benchmark("codecs.py", *args, timeout_s=...)``: run it with ``--smoke --json``; its JSON."""
 
     def run(script: str, *args: str, timeout_s: float = 300) -> Any:

@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
-from conftest import RunBenchmark
+import pytest
+
+pytestmark = pytest.mark.integration  # the script runs as its own process
 
 
-def test_codecs_smoke(run_benchmark: RunBenchmark) -> None:
+def test_codecs_smoke(run_benchmark: Callable[..., Any]) -> None:
     entries = run_benchmark("codecs.py", timeout_s=420)
     rows = [e for e in entries if e["name"] != "memcpy_MBps"]
     memcpy = [e for e in entries if e["name"] == "memcpy_MBps"]

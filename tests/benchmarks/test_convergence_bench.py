@@ -1,14 +1,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
-from conftest import RunBenchmark
 
 pytestmark = pytest.mark.integration
 
 
-def test_convergence_smoke(run_benchmark: RunBenchmark) -> None:
+def test_convergence_smoke(run_benchmark: Callable[..., Any]) -> None:
     (entry,) = run_benchmark("convergence.py", timeout_s=420)
     assert entry["name"] == "int8" and entry["pipeline"] == "q8|zstd:1"
     assert 8 <= entry["bits_per_param"] < 9

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
-from conftest import RunBenchmark
 
 pytestmark = pytest.mark.integration
 
 
-def test_outer_sync_smoke(run_benchmark: RunBenchmark) -> None:
+def test_outer_sync_smoke(run_benchmark: Callable[..., Any]) -> None:
     r = run_benchmark("outer_sync.py", timeout_s=420)
     assert r["settings"]["smoke"] and r["settings"]["rounds"] == 2
     assert [x["layout"] for x in r["results"]] == ["ddp", "fsdp"]

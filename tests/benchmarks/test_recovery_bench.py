@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
-from conftest import RunBenchmark
 
 pytestmark = pytest.mark.integration
 
 
-def test_recovery_smoke(run_benchmark: RunBenchmark) -> None:
+def test_recovery_smoke(run_benchmark: Callable[..., Any]) -> None:
     r = run_benchmark("recovery.py", timeout_s=540)
     assert r["settings"]["sites"] == 2 and r["settings"]["repeats"] == 1
     assert r["startup_to_round_3_s"] > 0 and r["typical_round_s"] > 0

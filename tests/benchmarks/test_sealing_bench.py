@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
-from conftest import RunBenchmark
+import pytest
+
+pytestmark = pytest.mark.integration  # the script runs as its own process
 
 
-def test_sealing_smoke(run_benchmark: RunBenchmark) -> None:
+def test_sealing_smoke(run_benchmark: Callable[..., Any]) -> None:
     r = run_benchmark("sealing.py")
     assert r["numel"] == 2 << 20 and r["chunks"] == 2 and r["repeats"] == 1
     assert r["codec"] == "q8|zstd:3" and r["aead"] == "AES-256-GCM"

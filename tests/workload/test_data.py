@@ -178,6 +178,14 @@ def test_too_little_text_is_refused_with_the_numbers_and_the_fields(tmp_path: Pa
         ConfigError, match=r"data: 3000 bytes of text in 1 file; .*data.max_bytes=3000 cut it"
     ):
         build_data(user_config([f], max_bytes=3000))
+    # the API's own refusals, for callers that skip require_text
+    corpus = load_corpus([str(f)], 0, 0.05)
+    shard_refusal = r"data: 19000 training bytes cut into 400 shards leave a shard shorter than one window"
+    with pytest.raises(ConfigError, match=shard_refusal):
+        DataShards(corpus, count=400, seq_len=64, seed=1)
+    eval_refusal = r"held-out part \(1000 bytes, data.eval_fraction\) is shorter than one window of 1001"
+    with pytest.raises(ConfigError, match=eval_refusal):
+        eval_windows(corpus, 8, 1000)
 
 
 def test_paths_that_cannot_be_read_are_refused_by_name(tmp_path: Path) -> None:

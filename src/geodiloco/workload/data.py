@@ -223,6 +223,13 @@ def load_corpus(paths: list[str], max_bytes: int, eval_fraction: float) -> Corpu
         _refuse(f"data.paths: no text in {where} ({len(binary)} binary file(s) skipped)")
     text = TextStream(files)
     train = text.size - held_out_bytes(text.size, eval_fraction)
+    log.info(
+        "data: %d bytes of text in %d file(s)%s; the last %d held out for evaluation",
+        text.size,
+        len(files),
+        f" (data.max_bytes={max_bytes} cut it short; 0: all of it)" if capped else "",
+        text.size - train,
+    )
     return Corpus(text, train, eval_fraction, max_bytes if capped else 0, len(binary))
 
 
