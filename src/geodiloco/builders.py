@@ -24,8 +24,10 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 import torch
@@ -115,22 +117,62 @@ def build_model(cfg: RunConfig) -> nn.Module:
 
 
 def load_init_weights(model: nn.Module, path: str) -> None:
-    """Load a warm start's weights (a state dict, or a dict holding one under ``"model"``)."""
+    """Load a warm start's weights, in the model's own names: a safetensors file or a directory
+    of them (a ``save_pretrained`` directory), a ``torch.distributed.checkpoint`` directory, or a
+    ``torch.save``'d state dict (or a dict holding one under ``"model"``). A tied weight that the
+    file holds once (an output layer sharing the embedding) counts as loaded."""
+    state = _read_weights(model, path)
+    own = model.state_dict()
+    loaded = {own[k].data_ptr() for k in state if k in own}
+    missing = [k for k in own if k not in state and own[k].data_ptr() not in loaded]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        raise BuilderError(
+            f"workload.init_weights: {path!r} does not fit the model: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a missing, unreadable or foreign file: one clear message
-        raise BuilderError(f"workload.init_weights: cannot load {path!r}: {exc}") from None
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]
-    if not isinstance(state, dict):
-        raise BuilderError(f"workload.init_weights: {path!r} holds {type(state).__name__}, not a state dict")
-    try:
-        model.load_state_dict(state, strict=True)
+        model.load_state_dict(state, strict=False)
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[:3]
         raise BuilderError(
             f"workload.init_weights: {path!r} does not fit the model: {' '.join(first)}"
         ) from None
+
+
+def _read_weights(model: nn.Module, path: str) -> dict[str, torch.Tensor]:
+    where = Path(path)
+    try:
+        if where.is_dir() and (where / ".metadata").is_file():  # a DCP checkpoint
+            import torch.distributed.checkpoint as dcp
+
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            with warnings.catch_warnings():  # read in one process, without a process group
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(state, checkpoint_id=str(where))
+            return state
+        files = sorted(where.glob("*.safetensors")) if where.is_dir() else [where]
+        if where.is_dir() and not files:
+            raise BuilderError(f"workload.init_weights: {path!r} holds no *.safetensors and no DCP .metadata")
+        if files[0].suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return {k: v for f in files for k, v in load_file(str(f)).items()}
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except BuilderError:
+        raise
+    except ImportError:
+        raise BuilderError(
+            f"workload.init_weights: {path!r} is safetensors: pip install 'geodiloco[hf]'"
+        ) from None
+    except Exception as exc:  # a missing, unreadable or foreign file: one clear message
+        first = " ".join(str(exc).split())[:300]
+        raise BuilderError(f"workload.init_weights: cannot load {path!r}: {first}") from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    if not isinstance(state, dict):
+        raise BuilderError(f"workload.init_weights: {path!r} holds {type(state).__name__}, not a state dict")
+    return state
 
 
 def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:

@@ -1,4 +1,5 @@
-"""The `geodiloco` command: coordinator serve, site run, status, report, certs, demo, baseline, wan."""
+"""The `geodiloco` command: coordinator serve, site run, status, report, export, certs, demo, baseline,
+wan."""
 
 from __future__ import annotations
 
@@ -241,6 +242,20 @@ def build_parser() -> argparse.ArgumentParser:
         "run_dir", type=Path, metavar="RUN_DIR", help="a coordinator --run-dir, or a demo's --run-dir"
     )
     report.add_argument("--out", type=Path, help="where to write (default RUN_DIR/report)")
+
+    export = sub.add_parser(
+        "export",
+        parents=[common],
+        help="write the committed global model in the model's own names (safetensors or DCP)",
+    )
+    export.add_argument(
+        "run_dir", type=Path, metavar="RUN_DIR", help="a coordinator --run-dir, or a demo's --run-dir"
+    )
+    export.add_argument("--format", choices=("safetensors", "dcp"), default="safetensors")
+    export.add_argument("--out", type=Path, required=True, help="a new (or empty) directory")
+    export.add_argument("--round", type=int, help="the committed round to export (default: the last)")
+    export.add_argument("--run-secret", type=Path, help="the run secret, when the state is sealed")
+    _add_config_args(export)  # the run's config; default RUN_DIR/config.json when there is one
 
     certs = sub.add_parser("certs", help="a development CA, certificates and run secrets")
     certs_sub = certs.add_subparsers(dest="action", required=True)
@@ -504,6 +519,27 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from geodiloco.config import load_config
+    from geodiloco.export import ExportError, export
+
+    config = args.config
+    if config is None:  # a demo's run directory holds the run's config
+        config = args.run_dir / "config.json"
+        if not config.is_file():
+            raise UsageError(f"--config: give the run's config ({args.run_dir} holds no config.json)")
+    cfg = load_config(config, args.overrides)
+    try:
+        done = export(cfg, args.run_dir, args.out, args.format, args.run_secret, args.round)
+    except ExportError as exc:
+        raise UsageError(str(exc)) from None
+    print(
+        f"round {done['round']} of run {done['run_id']} ({done['parameters']:,} parameters, hash "
+        f"{str(done['state_hash'])[:12]}) written to {args.out} as {args.format}"
+    )
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from geodiloco.demo import DemoOptions, demo_config, run_demo
 
@@ -575,6 +611,7 @@ COMMANDS = {
     ("certs", "issue"): _certs,
     ("certs", "secret"): _certs,
     ("demo", None): _demo,
+    ("export", None): _export,
     ("baseline", None): _baseline,
     ("wan", None): _wan,
 }
