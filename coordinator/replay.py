@@ -25,6 +25,7 @@ class CommittedParameters:
     round: int  # θ at the start of this round (after `round` commits)
     theta: torch.Tensor
     state_hash: str
+    run_id: str | None = None  # the run the snapshot belongs to (None: replayed from θ_0)
 
 
 def apply_update(theta: torch.Tensor, update: LoggedUpdate) -> float:
@@ -57,6 +58,7 @@ def committed_parameters(
     when the directory has no snapshot yet. Rounds before the snapshot are no longer available.
     """
     state = load_state(run_dir / STATE_FILE, sealer)
+    run_id = None if state is None else str(state["run_id"])
     if state is not None:
         at, theta, digest = int(state["round"]), state["theta"], state["hashes"][int(state["round"])]
     elif initial is not None:
@@ -77,4 +79,4 @@ def committed_parameters(
             raise CorruptStateError(f"{run_dir}: the update of round {r} does not start from θ_{r}")
         apply_update(theta, update)
         digest = update.state_hash
-    return CommittedParameters(target, theta, digest)
+    return CommittedParameters(target, theta, digest, run_id)

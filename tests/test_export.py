@@ -107,7 +107,7 @@ def test_what_export_cannot_read_is_refused_with_the_reason(tmp_path: Path) -> N
     cases = [
         (cfg, tmp_path / "nowhere", None, "not a directory"),
         (cfg, tmp_path, None, "no committed round"),
-        (cfg, tmp_path / "coord", 5, "keeps θ of its last committed round only (1)"),
+        (cfg, tmp_path / "coord", 5, "round 5 is not available (rounds 0 to 1 are)"),
         (config(model__n_layer=2), tmp_path / "coord", None, "export with the run's own config"),
         (config(run_id="other"), tmp_path / "coord", None, "holds run 'test-run', the config names 'other'"),
     ]

@@ -48,56 +48,57 @@ def read_committed(
     run_dir: Path, cfg: RunConfig, run_secret: Path | None, round_: int | None = None
 ) -> Committed:
     """θ of round ``round_`` (default: the last committed) from a coordinator's ``--run-dir`` (or
-    the ``coordinator/`` folder of a demo's run directory).
-
-    Today's durable state is one snapshot of the last committed round, so only that round (and
-    round 0, θ_0, which the builders rebuild) can be exported; older rounds are refused."""
-    from geodiloco.coordinator.durable import STATE_FILE, STATE_LABEL, StateError, load_state
+    the ``coordinator/`` folder of a demo's run directory): the last snapshot plus the logged
+    updates after it, checked against the hash chain. Round 0 is θ_0 as the builders make it;
+    rounds before the last snapshot are no longer stored."""
+    from geodiloco.coordinator.durable import STATE_FILE, STATE_LABEL, StateError
+    from geodiloco.coordinator.replay import committed_parameters
     from geodiloco.coordinator.server import initial_parameters
+    from geodiloco.coordinator.updatelog import UPDATES_DIR, logged_rounds, read_update
     from geodiloco.security.sealing import Keyring
     from geodiloco.security.secrets import load_secret
 
     if not run_dir.is_dir():
         raise ExportError(f"{run_dir}: not a directory (give the coordinator's --run-dir)")
-    if not (run_dir / STATE_FILE).exists() and (run_dir / "coordinator" / STATE_FILE).exists():
+    if (
+        not any((run_dir / f).exists() for f in (STATE_FILE, UPDATES_DIR))
+        and (run_dir / "coordinator").is_dir()
+    ):
         run_dir = run_dir / "coordinator"  # a demo's run directory
+    if round_ == 0:
+        theta = initial_parameters(cfg)
+        return Committed(0, theta, state_hash(theta))
+    logged, snapshot = logged_rounds(run_dir), (run_dir / STATE_FILE).exists()
+    if not snapshot and not logged:
+        raise ExportError(
+            f"{run_dir}: no committed round (no {STATE_FILE} and no logged update); --round 0 exports "
+            "θ_0 as the run's builders make it"
+        )
     sealer = None
     if run_secret is not None:
         try:
             sealer = Keyring(load_secret(run_secret), cfg.run_id).at_rest(STATE_LABEL)
         except (OSError, ValueError) as exc:
             raise ExportError(f"--run-secret: {exc}") from None
+    own_config = "export with the run's own config (--config)"
     try:
-        state = load_state(run_dir / STATE_FILE, sealer)
-    except StateError as exc:  # sealed without the secret, corrupt, another run's secret
-        raise ExportError(str(exc)) from None
-    if state is None:
-        if round_ == 0:
-            theta = initial_parameters(cfg)
-            return Committed(0, theta, state_hash(theta))
+        newest = read_update(run_dir, logged[-1], sealer) if logged else None
+        if newest is not None and newest.run_id != cfg.run_id:
+            raise ExportError(
+                f"{run_dir} holds run {newest.run_id!r}, the config names {cfg.run_id!r}: {own_config}"
+            )
+        initial = None if snapshot else initial_parameters(cfg)  # no snapshot yet: replay from θ_0
+        first = read_update(run_dir, logged[0], sealer) if initial is not None else None
+        if first is not None and initial is not None and first.base_hash != state_hash(initial):
+            raise ExportError(f"{run_dir}: round 0 did not start from this config's θ_0: {own_config}")
+        committed = committed_parameters(run_dir, round_, sealer, initial)
+    except StateError as exc:  # sealed without the secret, corrupt, altered, a round not kept
+        raise ExportError(f"--round {round_}: {exc}" if round_ is not None else str(exc)) from None
+    if committed.run_id is not None and committed.run_id != cfg.run_id:
         raise ExportError(
-            f"{run_dir}: no committed round ({STATE_FILE} is missing); --round 0 exports θ_0 as the "
-            "run's builders make it"
+            f"{run_dir} holds run {committed.run_id!r}, the config names {cfg.run_id!r}: {own_config}"
         )
-    if state["run_id"] != cfg.run_id:
-        raise ExportError(
-            f"{run_dir} holds run {state['run_id']!r}, the config names {cfg.run_id!r}: "
-            "export with the run's own config (--config)"
-        )
-    last = int(state["round"])
-    if round_ is not None and round_ != last:
-        if round_ == 0:
-            theta = initial_parameters(cfg)
-            return Committed(0, theta, state_hash(theta))
-        raise ExportError(
-            f"--round {round_}: {run_dir} keeps θ of its last committed round only ({last}), and of round "
-            "0 through the builders; earlier rounds are not stored"
-        )
-    theta = state["theta"]
-    digest = state_hash(theta)
-    if state["hashes"].get(last, digest) != digest:
-        raise ExportError(f"{run_dir}: θ of round {last} does not match its recorded hash (altered state)")
-    return Committed(last, theta, digest)
+    return Committed(committed.round, committed.theta, committed.state_hash)
 
 
 def model_with(cfg: RunConfig, theta: torch.Tensor) -> nn.Module:
