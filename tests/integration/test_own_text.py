@@ -37,7 +37,7 @@ def demo(tmp_path: Path, *settings: str) -> subprocess.CompletedProcess[str]:
     args += ["--run-dir", str(tmp_path / "run"), "--json", str(tmp_path / "summary.json")]
     for s in settings:
         args += ["--set", s]
-    return subprocess.run(args, capture_output=True, text=True, timeout=300)
+    return subprocess.run(args, capture_output=True, text=True, timeout=500)
 
 
 def test_a_50_mb_file_with_no_cap_trains_a_round(tmp_path: Path) -> None:

@@ -221,13 +221,16 @@ def test_binary_files_are_skipped_and_counted(tmp_path: Path, caplog: pytest.Log
         load_corpus([str(tmp_path)], 0, 0.05)
 
 
-def test_a_file_that_shrinks_under_a_run_is_named(tmp_path: Path) -> None:
+def test_a_file_that_shrinks_or_goes_under_a_run_is_named(tmp_path: Path) -> None:
     f = tmp_path / "corpus.txt"
     f.write_text(prose(50_000, 9))
     corpus = load_corpus([str(f)], 0, 0.05)
     f.write_text(prose(100, 9))
     with pytest.raises(ConfigError, match=r"data.paths: .*corpus.txt changed while the run was reading it"):
         corpus.text.windows([40_000], 65)
+    f.unlink()
+    with pytest.raises(ConfigError, match=r"data.paths: cannot read .*corpus.txt any more: No such file"):
+        corpus.text.windows([10], 65)
 
 
 def test_eval_slices_partition_the_eval_windows() -> None:

@@ -117,7 +117,10 @@ class _Reader:
             f = stream.files[i]
             offset = position - (stream.ends[i] - f.size)
             n = min(len(dest) - done, f.size - offset)
-            data = os.pread(self._fd(i), n, offset)
+            try:
+                data = os.pread(self._fd(i), n, offset)
+            except OSError as exc:  # moved, deleted or unreadable since the run started
+                _refuse(f"data.paths: cannot read {f.path} any more: {exc.strerror or exc}")
             if len(data) != n:
                 _refuse(f"data.paths: {f.path} changed while the run was reading it (now shorter)")
             dest[done : done + n] = data
