@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -53,31 +54,28 @@ def load_flat_parameters(model: nn.Module, flat: torch.Tensor) -> None:
         raise ValueError(f"flat vector has {flat.numel()} elements, model has {offset}")
 
 
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64 constants, as signed int64
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
-_LOW32 = (1 << 32) - 1
-# Elements hashed at a time: bounds the scratch memory (~24 bytes each); the digest does not
-# depend on it (sums of 2^16 32-bit halves stay exact in int64).
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64 constants
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_LOW32 = np.uint64((1 << 32) - 1)
+# Elements hashed at a time: bounds the scratch memory (~16 bytes each); the digest does not
+# depend on it (sums of 2^16 32-bit halves stay exact in 64 bits).
 HASH_BLOCK = 1 << 16
 
 
-def _mix(positions: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
+def _mix(positions: np.ndarray, values: torch.Tensor) -> tuple[int, int]:
     """Sums of the low and high halves of splitmix64(index, fp32 bits) over a block, computed
-    in place on ``positions`` with one scratch buffer (int64 arithmetic wraps around)."""
-    x = positions.mul_(_GOLDEN)
-    scratch = values.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
-    x += scratch.bitwise_and_(_LOW32)
-    for bits, factor in ((30, _MIX1), (27, _MIX2), (31, 1)):
-        torch.bitwise_right_shift(x, bits, out=scratch)
-        scratch &= (1 << (64 - bits)) - 1  # a logical shift: torch shifts signed values arithmetically
-        x ^= scratch
-        if factor != 1:
-            x *= factor
-    low = int(torch.bitwise_and(x, _LOW32, out=scratch).sum())
-    torch.bitwise_right_shift(x, 32, out=scratch)
-    high = int(scratch.bitwise_and_(_LOW32).sum())
-    return low, high
+    in place on ``positions`` (uint64; numpy's unsigned arithmetic wraps and shifts logically)."""
+    x = positions
+    x *= _GOLDEN
+    x += values.detach().to(torch.float32).contiguous().numpy().view(np.uint32)
+    for bits, factor in ((30, _MIX1), (27, _MIX2)):
+        x ^= x >> np.uint64(bits)
+        x *= factor
+    x ^= x >> np.uint64(31)
+    high = int((x >> np.uint64(32)).sum(dtype=np.uint64))
+    x &= _LOW32
+    return int(x.sum(dtype=np.uint64)), high
 
 
 class Checksum:
@@ -94,7 +92,7 @@ class Checksum:
 
     def add(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Add the elements ``values`` found at canonical ``positions`` (int64, same length)."""
-        low, high = _mix(positions.reshape(-1), values.reshape(-1))
+        low, high = _mix(positions.reshape(-1).numpy().astype(np.uint64), values.reshape(-1))
         self.low, self.high, self.count = self.low + low, self.high + high, self.count + positions.numel()
 
     def add_range(self, start: int, values: torch.Tensor) -> None:
@@ -102,7 +100,9 @@ class Checksum:
         flat = values.detach().reshape(-1)
         for a in range(0, flat.numel(), HASH_BLOCK):
             part = flat[a : a + HASH_BLOCK]
-            self.add(torch.arange(start + a, start + a + part.numel(), dtype=torch.int64), part)
+            positions = np.arange(start + a, start + a + part.numel(), dtype=np.uint64)
+            low, high = _mix(positions, part)
+            self.low, self.high, self.count = self.low + low, self.high + high, self.count + part.numel()
 
     def merge(self, other: Checksum) -> Checksum:
         return Checksum(self.low + other.low, self.high + other.high, self.count + other.count)
