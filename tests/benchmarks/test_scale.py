@@ -31,7 +31,7 @@ def test_scale_smoke_writes_every_key_and_a_plot(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     rows = json.loads(out.read_text())
-    assert len(rows) == 1 and KEYS <= set(rows[0])
+    assert len(rows) == 1 and set(rows[0]) >= KEYS
     row = rows[0]
     assert row["params"] == 200_000 and row["sites"] == 2
     assert row["overhead_s"] > 0 and row["floor_s"] > 0 and row["coordinator_peak_rss_bytes"] > 0
