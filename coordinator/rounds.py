@@ -170,13 +170,23 @@ class RoundController:
             if state is not None:
                 self.restore(state)
                 self.snapshot_round = self.round
-            self._replay()
+            replayed = self._replay()
+            if state is not None or replayed:
+                log.info(
+                    "resumed run %s at round %d (hash %s; snapshot of round %s, %d rounds replayed)",
+                    self.cfg.run_id,
+                    self.round,
+                    self.hashes[self.round][:12],
+                    self.snapshot_round,
+                    replayed,
+                )
             self._sync_round_log()
             for report in read_reports(run_dir / REPORT_LOG):
                 self._apply_report(report)
 
-    def _replay(self) -> None:
-        """Apply the rounds logged after the snapshot, each checked against the hash chain."""
+    def _replay(self) -> int:
+        """Apply the rounds logged after the snapshot, each checked against the hash chain;
+        returns how many."""
         assert self.run_dir is not None
         replayed = 0
         for r in logged_rounds(self.run_dir):
@@ -194,8 +204,7 @@ class RoundController:
                 raise CorruptStateError(f"{self.run_dir}: the update of round {r} does not start from θ_{r}")
             self._apply_logged(update)
             replayed += 1
-        if replayed:
-            log.info("replayed %d logged rounds; at round %d", replayed, self.round)
+        return replayed
 
     def _apply_logged(self, update: LoggedUpdate) -> None:
         r = update.round
@@ -611,9 +620,6 @@ class RoundController:
                 for key, value in saved.items():
                     setattr(self.sites[name], key, value)
                 self.sites[name].last_seen = now  # a fresh lease after the restart
-        log.info(
-            "resumed run %s at round %d (hash %s)", self.cfg.run_id, self.round, self.hashes[self.round][:12]
-        )
 
     async def _notify(self) -> None:
         async with self._changed:

@@ -224,13 +224,21 @@ async def _tick(running: RunningServer) -> None:
             running.journal.write("lease_expired", site=name, round=controller.round)
 
 
+def _resumes(run_dir: Path | None) -> bool:
+    return run_dir is not None and (run_dir / STATE_FILE).exists()
+
+
 async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
     """The `geodiloco coordinator serve` process: serve until SIGINT/SIGTERM or Shutdown."""
     security = opts.security(cfg.run_id)
     sealer = security.keyring.at_rest(STATE_LABEL) if security.keyring else None  # state sealed at rest
-    resumes = opts.run_dir is not None and (opts.run_dir / STATE_FILE).exists()
-    initial = None if resumes else initial_parameters(cfg)  # θ_0 only when no snapshot holds θ
-    controller = RoundController(cfg, initial, data_shard_sizes(cfg), opts.run_dir, sealer)
+    controller = RoundController(
+        cfg,
+        None if _resumes(opts.run_dir) else initial_parameters(cfg),  # θ_0 unless a snapshot holds θ
+        data_shard_sizes(cfg),
+        opts.run_dir,
+        sealer,
+    )
     logs.bind(run=cfg.run_id, round=lambda: controller.round)
     running = await start_server(controller, opts.host, opts.port, security=security, grace_s=opts.grace_s)
     metrics: MetricsServer | None = None

@@ -138,9 +138,26 @@ def delta_messages(
 ) -> list[Any]:
     """The PushDelta stream of one part (one rank's owned elements) of a round's pseudo-gradient;
     plain encoded chunks are contiguous ranges."""
-    wire = [wire_chunk(c) for c in chunks]
-    return [
-        outer_sync_pb2.DeltaChunk(
+    return list(iter_delta_messages(run_id, site, round_, codec, chunks, tokens, data, part, parts))
+
+
+def iter_delta_messages(
+    run_id: str,
+    site: str,
+    round_: int,
+    codec: str,
+    chunks: Sequence[WireChunk | EncodedChunk],
+    tokens: int,
+    data: list[DataRange] | None = None,
+    part: int = 0,
+    parts: int = 1,
+) -> Iterator[Any]:
+    """:func:`delta_messages`, one message at a time: a sequence that encodes its chunks when
+    they are taken is encoded chunk by chunk while the earlier ones are on the wire."""
+    total = len(chunks)
+    for seq, item in enumerate(chunks):
+        chunk = wire_chunk(item)
+        yield outer_sync_pb2.DeltaChunk(
             header=outer_sync_pb2.ChunkHeader(
                 run_id=run_id,
                 round=round_,
@@ -155,13 +172,11 @@ def delta_messages(
             ),
             payload=chunk.payload,
             tokens=tokens,
-            total_chunks=len(wire),
+            total_chunks=total,
             data=ranges_to_proto(data or []) if seq == 0 else [],
             part=part,
             parts=parts,
         )
-        for seq, chunk in enumerate(wire)
-    ]
 
 
 class OuterSyncClient:
@@ -319,8 +334,8 @@ class OuterSyncClient:
         if not chunks:
             raise ValueError("a push part needs at least one chunk")
 
-        def messages() -> Iterator[Any]:
-            for msg in delta_messages(
+        def messages() -> Iterator[Any]:  # consumed by gRPC's sender thread: sealing overlaps sending
+            for msg in iter_delta_messages(
                 self.run_id, self.site, round_, codec, chunks, tokens, data, part, parts
             ):
                 if self.keys is not None:

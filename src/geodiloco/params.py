@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -53,22 +54,40 @@ def load_flat_parameters(model: nn.Module, flat: torch.Tensor) -> None:
         raise ValueError(f"flat vector has {flat.numel()} elements, model has {offset}")
 
 
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64 constants, as signed int64
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64
 _LOW32 = (1 << 32) - 1
-# Elements hashed at a time: bounds the scratch memory (~24 bytes each); the digest does not
-# depend on it (sums of 2^16 32-bit halves stay exact in int64).
-HASH_BLOCK = 1 << 16
+# Elements hashed at a time: bounds the scratch memory; the digest does not depend on it (sums of
+# up to 2^20 32-bit halves stay exact in 64 bits). A device has memory to spare and pays per launch.
+HASH_BLOCK, DEVICE_HASH_BLOCK = 1 << 16, 1 << 20
 
 
-def _mix(positions: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
-    """Sums of the low and high halves of splitmix64(index, fp32 bits) over a block, computed
-    in place on ``positions`` with one scratch buffer (int64 arithmetic wraps around)."""
-    x = positions.to(values.device).mul_(_GOLDEN)  # integer arithmetic: the same bits on any device
+def _signed(constant: int) -> int:
+    return constant - (1 << 64)  # the same 64 bits as a torch int64 scalar
+
+
+def _mix(positions: np.ndarray, values: torch.Tensor) -> tuple[int, int]:
+    """Sums of the low and high halves of splitmix64(index, fp32 bits) over a block of a CPU
+    tensor, computed in place on ``positions`` (uint64; numpy's unsigned arithmetic wraps and
+    shifts logically)."""
+    x = positions
+    x *= np.uint64(_GOLDEN)
+    x += values.detach().to(torch.float32).contiguous().numpy().view(np.uint32)
+    for bits, factor in ((30, _MIX1), (27, _MIX2)):
+        x ^= x >> np.uint64(bits)
+        x *= np.uint64(factor)
+    x ^= x >> np.uint64(31)
+    high = int((x >> np.uint64(32)).sum(dtype=np.uint64))
+    x &= np.uint64(_LOW32)
+    return int(x.sum(dtype=np.uint64)), high
+
+
+def _mix_on_device(positions: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
+    """The same sums for a tensor on an accelerator, with torch's int64 ops where the values are
+    (integer arithmetic wraps the same way on any device, so the bits match the CPU path)."""
+    x = positions.to(values.device).mul_(_signed(_GOLDEN))
     scratch = values.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
     x += scratch.bitwise_and_(_LOW32)
-    for bits, factor in ((30, _MIX1), (27, _MIX2), (31, 1)):
+    for bits, factor in ((30, _signed(_MIX1)), (27, _signed(_MIX2)), (31, 1)):
         torch.bitwise_right_shift(x, bits, out=scratch)
         scratch &= (1 << (64 - bits)) - 1  # a logical shift: torch shifts signed values arithmetically
         x ^= scratch
@@ -94,15 +113,28 @@ class Checksum:
 
     def add(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Add the elements ``values`` found at canonical ``positions`` (int64, same length)."""
-        low, high = _mix(positions.reshape(-1), values.reshape(-1))
+        positions, values = positions.reshape(-1), values.reshape(-1)
+        if values.device.type == "cpu":
+            low, high = _mix(positions.cpu().numpy().astype(np.uint64), values)
+        else:
+            low, high = _mix_on_device(positions.to(torch.int64), values)
         self.low, self.high, self.count = self.low + low, self.high + high, self.count + positions.numel()
 
     def add_range(self, start: int, values: torch.Tensor) -> None:
         """Add a contiguous run of canonical elements starting at ``start``."""
         flat = values.detach().reshape(-1)
-        for a in range(0, flat.numel(), HASH_BLOCK):
-            part = flat[a : a + HASH_BLOCK]
-            self.add(torch.arange(start + a, start + a + part.numel(), dtype=torch.int64), part)
+        on_cpu = flat.device.type == "cpu"
+        block = HASH_BLOCK if on_cpu else DEVICE_HASH_BLOCK
+        for a in range(0, flat.numel(), block):
+            part = flat[a : a + block]
+            if on_cpu:
+                low, high = _mix(np.arange(start + a, start + a + part.numel(), dtype=np.uint64), part)
+            else:
+                end = start + a + part.numel()
+                low, high = _mix_on_device(
+                    torch.arange(start + a, end, dtype=torch.int64, device=flat.device), part
+                )
+            self.low, self.high, self.count = self.low + low, self.high + high, self.count + part.numel()
 
     def merge(self, other: Checksum) -> Checksum:
         return Checksum(self.low + other.low, self.high + other.high, self.count + other.count)

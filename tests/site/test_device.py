@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from geodiloco.compression import ErrorFeedback, Place, parse_pipeline
 from geodiloco.distributed import DeviceError, backend_for, resolve_device
-from geodiloco.params import Checksum, flatten_parameters, state_hash
+from geodiloco.params import Checksum, _mix, _mix_on_device, flatten_parameters, state_hash
 from geodiloco.site.layout import Autocast, LayoutError, ParallelConfig, precision_problem
 from geodiloco.site.shards import ShardMap
 from geodiloco.workload import GPTConfig, build_model
@@ -40,6 +41,14 @@ def test_hash_is_bit_identical_on_every_device(device: str) -> None:
     flipped = x.clone()
     flipped.view(torch.int32)[1234] ^= 1  # one bit anywhere changes the digest
     assert state_hash(flipped.to(device)) != state_hash(x)
+
+
+def test_the_device_hash_path_gives_the_cpu_paths_bits() -> None:
+    """The accelerator path (torch int64 ops) run on the CPU: the same sums as numpy's uint64."""
+    x = _values()
+    for start in (0, 7, (1 << 40) + 3):  # positions far beyond 2^32 wrap the same way
+        positions = torch.arange(start, start + x.numel(), dtype=torch.int64)
+        assert _mix_on_device(positions.clone(), x) == _mix(positions.numpy().astype(np.uint64), x)
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta", CUDA])

@@ -1,0 +1,432 @@
+"""Outer-sync cost at scale: overhead per round against a floor measured in the same run.
+
+Run:  nice -n 10 .venv/bin/python benchmarks/scale.py --json runs/scale.json
+      (--smoke: a 200k-parameter run of a few seconds)
+
+For each case (parameters x sites) this starts a real coordinator process (`geodiloco
+coordinator serve`, plaintext loopback, durable run directory) whose model is one flat seeded
+parameter of the case's size (``workload.model = scale:build_flat_model``), and one synthetic
+site process per site. A synthetic site trains nothing: each round it pushes a seeded
+pseudo-gradient through the real client (encoded chunk by chunk as the stream sends it),
+pulls the committed update, decodes it and adds and hashes it chunk by chunk as a site
+applies it. Every byte crosses the real client, wire, coordinator and durable state.
+
+Per case, over the measured rounds (the first is left out):
+- ``overhead_s``: median time between consecutive round ends (the sites compute nothing, so
+  the whole round is outer-sync overhead);
+- ``floor_s``: the same compressed bytes (every site's push and pull) streamed over a raw
+  loopback gRPC stream up and down, plus four ``copy_`` passes over the fp32 model;
+- ``coordinator_peak_rss_bytes``: the coordinator's VmHWM;
+- ``max_loop_stall_ms``: the longest Heartbeat round trip of a probe calling every 50 ms;
+- ``disk_bytes_per_round``: bytes of the durable files a commit wrote (its update log file and
+  round-log line; no snapshot falls in the measured rounds), next to ``update_bytes``;
+- ``restart_to_serving_s``: SIGKILL after the last round, restart, until a Heartbeat is served
+  (the restart replays every round: no snapshot yet);
+- ``lease_expiries``: from the coordinator's journal (must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, overload
+
+import grpc
+import torch
+from torch import nn
+
+from geodiloco.compression import parse_pipeline
+from geodiloco.config import RunConfig
+from geodiloco.params import Checksum
+from geodiloco.segment import Segment
+from geodiloco.site.client import Heartbeater, OuterSyncClient, WireChunk
+
+HERE = Path(__file__).resolve().parent
+CODEC = "q8|zstd:1"
+CHUNK = 1 << 20
+PROBE_S = 0.05
+KEYS = (
+    "params",
+    "sites",
+    "overhead_s",
+    "floor_s",
+    "coordinator_peak_rss_bytes",
+    "max_loop_stall_ms",
+    "disk_bytes_per_round",
+    "restart_to_serving_s",
+)
+
+
+class FlatModel(nn.Module):
+    def __init__(self, numel: int, seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.flat = nn.Parameter(torch.randn(numel, generator=gen) * 0.02)
+
+
+def build_flat_model(cfg: RunConfig) -> nn.Module:
+    """The benchmark's model: one flat parameter of ``workload.options.params`` elements."""
+    return FlatModel(int(cfg.workload.options["params"]), cfg.seed)
+
+
+def run_config(params: int, sites: int, rounds: int) -> RunConfig:
+    return RunConfig.from_dict(
+        {
+            "run_id": "scale-bench",
+            "sites": [f"site-{i}" for i in range(sites)],
+            "rounds": rounds + 100,  # never finished: the restart below must replay, as after a crash
+            "round_timeout_s": 3600.0,
+            "heartbeat_interval_s": 1.0,
+            "lease_s": 15.0,
+            "data": {"max_bytes": 200_000, "shards": max(8, sites), "batch_size": 1},
+            "inner": {"steps_per_round": 1},
+            "outer": {"optimizer": "nesterov", "lr": 0.7, "momentum": 0.9},
+            "compression": {"uplink": CODEC, "downlink": CODEC, "chunk_elements": CHUNK},
+            "workload": {"model": "scale:build_flat_model", "options": {"params": params}},
+        }
+    )
+
+
+# -- synthetic site ---------------------------------------------------------------------------
+
+
+class SeededDelta(Sequence[WireChunk]):
+    """A round's pseudo-gradient, encoded chunk by chunk when the push stream takes it."""
+
+    def __init__(self, numel: int, base: torch.Tensor, round_: int) -> None:
+        self.numel, self.base, self.round = numel, base, round_
+        self.codec = parse_pipeline(CODEC)
+
+    def __len__(self) -> int:
+        return -(-self.numel // CHUNK)
+
+    @overload
+    def __getitem__(self, i: int) -> WireChunk: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[WireChunk]: ...
+    def __getitem__(self, i: int | slice) -> WireChunk | Sequence[WireChunk]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        start = i * CHUNK
+        n = min(CHUNK, self.numel - start)
+        values = self.base[:n] * (1e-3 * (1 + 0.1 * self.round + 0.01 * i))
+        return WireChunk(Segment(start, 1, n, n), self.codec.encode(values))
+
+    def __iter__(self) -> Iterator[WireChunk]:
+        return (self[i] for i in range(len(self)))
+
+
+def site_main(args: argparse.Namespace) -> None:
+    client = OuterSyncClient(args.target, args.site)
+    info = client.join()
+    beat = Heartbeater(client, info.heartbeat_interval_s)
+    beat.start()
+    gen = torch.Generator().manual_seed(int(args.site.rpartition("-")[2]))
+    base = torch.randn(CHUNK, generator=gen)
+    scratch = torch.empty(CHUNK)
+    rows = []
+    for r in range(args.rounds):
+        t0, sent, received = time.time(), client.bytes_sent, client.bytes_received
+        client.push(r, CODEC, SeededDelta(args.params[0], base, r), tokens=1000, timeout_s=3600)
+        t_pushed = time.time()
+        pulled = client.pull(r, timeout_s=3600)
+        codec, checksum = parse_pipeline(pulled.codec), Checksum()
+        for seq in range(pulled.total_chunks):  # apply as a site does: decode, add, hash
+            chunk = pulled.chunks[seq]
+            piece = scratch[: chunk.numel]
+            piece.copy_(codec.decode(chunk.payload, chunk.numel))
+            checksum.add_range(chunk.start, piece)
+        beat.round = r + 1
+        rows.append(
+            {
+                "round": r,
+                "t0": t0,
+                "t_pushed": t_pushed,
+                "t1": time.time(),
+                "sent": client.bytes_sent - sent,
+                "received": client.bytes_received - received,
+            }
+        )
+    beat.stop()
+    client.leave("benchmark done")
+    Path(args.out).write_text(json.dumps(rows))
+
+
+# -- the floor: raw gRPC and copy passes -------------------------------------------------------
+
+
+def floor_server_main(args: argparse.Namespace) -> None:
+    """A bare gRPC server: Up swallows a stream of byte messages, Down sends one."""
+
+    def up(requests: Iterator[bytes], context: Any) -> bytes:
+        for _ in requests:
+            pass
+        return b""
+
+    def down(request: bytes, context: Any) -> Iterator[bytes]:
+        total, size = json.loads(request)
+        payload = os.urandom(size)
+        for at in range(0, total, size):
+            yield payload[: min(size, total - at)]
+
+    identity = lambda b: b  # noqa: E731
+    handler = grpc.method_handlers_generic_handler(
+        "floor.Floor",
+        {
+            "Up": grpc.stream_unary_rpc_method_handler(up, identity, identity),
+            "Down": grpc.unary_stream_rpc_method_handler(down, identity, identity),
+        },
+    )
+    from concurrent.futures import ThreadPoolExecutor
+
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    server = grpc.server(ThreadPoolExecutor(4), options=options)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    Path(args.out).write_text(str(port))
+    server.wait_for_termination()
+
+
+def raw_stream_s(up_bytes: list[int], down_bytes: list[int], message_bytes: int) -> float:
+    """Every site's bytes up, then down, each site on its own stream, all at once."""
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file = Path(tmp) / "port"
+        server = subprocess.Popen([sys.executable, __file__, "--floor-server", "--out", str(port_file)])
+        try:
+            while not port_file.exists():
+                time.sleep(0.05)
+            options = [
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20),
+            ]
+            channel = grpc.insecure_channel(f"127.0.0.1:{port_file.read_text()}", options=options)
+            up = channel.stream_unary("/floor.Floor/Up")
+            down = channel.unary_stream("/floor.Floor/Down")
+            payload = os.urandom(message_bytes)
+
+            def send(total: int) -> None:
+                up(payload[: min(message_bytes, total - at)] for at in range(0, total, message_bytes))
+
+            def receive(total: int) -> None:
+                for _ in down(json.dumps([total, message_bytes]).encode()):
+                    pass
+
+            send(message_bytes)  # warm the connection
+            began = time.perf_counter()
+            for fn, sizes in ((send, up_bytes), (receive, down_bytes)):
+                threads = [threading.Thread(target=fn, args=(n,)) for n in sizes]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            elapsed = time.perf_counter() - began
+            channel.close()
+            return elapsed
+        finally:
+            server.terminate()
+            server.wait()
+
+
+def copy_passes_s(params: int, passes: int = 4) -> float:
+    src, dst = torch.randn(params), torch.empty(params)
+    dst.copy_(src)
+    began = time.perf_counter()
+    for _ in range(passes):
+        dst.copy_(src)
+    return time.perf_counter() - began
+
+
+# -- one case ----------------------------------------------------------------------------------
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    with open(log, "ab") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def start_coordinator(
+    config: Path, run_dir: Path, workdir: Path, log: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    port_file = workdir / "port"
+    port_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "geodiloco", "coordinator", "serve", "--config", str(config)]
+    cmd += ["--port", "0", "--port-file", str(port_file), "--run-dir", str(run_dir), "--insecure"]
+    proc = spawn(cmd, workdir / log)
+    while not port_file.exists():
+        if proc.poll() is not None:
+            raise RuntimeError((workdir / log).read_text()[-3000:])
+        time.sleep(0.02)
+    return proc, f"127.0.0.1:{port_file.read_text()}"
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class Probe(threading.Thread):
+    """Heartbeat every 50 ms as site-0; records each round trip."""
+
+    def __init__(self, target: str, run_id: str) -> None:
+        super().__init__(daemon=True)
+        self.client = OuterSyncClient(target, "site-0")
+        self.client.run_id = run_id
+        self.samples: list[tuple[float, float]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(PROBE_S):
+            began = time.time()
+            try:
+                self.client.heartbeat(0)
+            except grpc.RpcError:
+                continue  # not joined yet
+            self.samples.append((began, time.time() - began))
+
+
+def run_case(params: int, sites: int, rounds: int, workdir: Path) -> dict[str, Any]:
+    workdir.mkdir(parents=True)
+    cfg = run_config(params, sites, rounds)
+    config, run_dir = workdir / "run.json", workdir / "coord"
+    config.write_text(cfg.to_json())
+    coordinator, target = start_coordinator(config, run_dir, workdir, "coordinator.log")
+    probe = Probe(target, cfg.run_id)
+    probe.start()
+    outs = [workdir / f"site-{i}.json" for i in range(sites)]
+    procs = []
+    for i in range(sites):
+        cmd = [sys.executable, __file__, "--site", f"site-{i}", "--target", target, "--params", str(params)]
+        cmd += ["--rounds", str(rounds), "--out", str(outs[i])]
+        procs.append(spawn(cmd, workdir / f"site-{i}.log"))
+    try:
+        for i, proc in enumerate(procs):
+            if proc.wait(timeout=7200) != 0:
+                raise RuntimeError((workdir / f"site-{i}.log").read_text()[-3000:])
+        probe.stop.set()
+        rss = peak_rss(coordinator.pid)
+        coordinator.send_signal(signal.SIGKILL)
+        coordinator.wait()
+        began = time.perf_counter()
+        coordinator, target = start_coordinator(config, run_dir, workdir, "coordinator-restart.log")
+        served = OuterSyncClient(target, "site-0")
+        served.join()
+        restart_s = time.perf_counter() - began
+        served.close()
+    finally:
+        for proc in (*procs, coordinator):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait()
+    per_site = [json.loads(out.read_text()) for out in outs]
+    ends = [max(site[r]["t1"] for site in per_site) for r in range(rounds)]
+    periods = [b - a for a, b in itertools.pairwise(ends)]
+    measured = (min(site[1]["t1"] for site in per_site) if rounds > 1 else 0.0, ends[-1])
+    stalls = [d for t, d in probe.samples if measured[0] <= t <= measured[1]] or [d for _, d in probe.samples]
+    log = [json.loads(x) for x in (run_dir / "rounds.jsonl").read_text().splitlines()]
+    update_files = sorted((run_dir / "updates").glob("*.update"))
+    line_bytes = (run_dir / "rounds.jsonl").stat().st_size / len(log)
+    events = (run_dir / "events.jsonl").read_text().splitlines()
+    up = [int(statistics.mean(r["sent"] for r in site[1:] or site)) for site in per_site]
+    down = [int(statistics.mean(r["received"] for r in site[1:] or site)) for site in per_site]
+    floor = raw_stream_s(up, down, CHUNK) + copy_passes_s(params)
+    return {
+        "params": params,
+        "sites": sites,
+        "overhead_s": round(statistics.median(periods or [ends[0] - per_site[0][0]["t0"]]), 3),
+        "floor_s": round(floor, 3),
+        "coordinator_peak_rss_bytes": rss,
+        "max_loop_stall_ms": round(1000 * max(stalls), 1),
+        "disk_bytes_per_round": int(statistics.mean(f.stat().st_size for f in update_files) + line_bytes),
+        "restart_to_serving_s": round(restart_s, 2),
+        "update_bytes": int(statistics.mean(r["update_bytes"] for r in log)),
+        "push_bytes_per_site": int(statistics.mean(up)),
+        "model_fp32_bytes": 4 * params,
+        "lease_expiries": sum('"lease_expired"' in e for e in events),
+        "rounds": rounds,
+    }
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    two = sorted((r for r in rows if r["sites"] == 2), key=lambda r: r["params"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["params"] for r in two], [r["overhead_s"] for r in two], "o-", label="outer-sync overhead")
+    ax.plot(
+        [r["params"] for r in two], [r["floor_s"] for r in two], "s--", label="floor (raw gRPC + 4 copies)"
+    )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("seconds per round (2 sites)")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def driver(args: argparse.Namespace) -> None:
+    if args.smoke:
+        cases = [(200_000, 2)]
+        rounds = 3
+    else:
+        cases = [(p, 2) for p in args.params] + [(args.site_params, s) for s in args.sites if s != 2]
+        rounds = args.rounds
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
+        for i, (params, sites) in enumerate(cases):
+            row = run_case(params, sites, rounds, Path(tmp) / f"case-{i}")
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=2))
+        plot(rows, args.plot or args.json.with_suffix(".png"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, nargs="+", default=[10_000_000, 100_000_000])
+    parser.add_argument(
+        "--sites", type=int, nargs="+", default=[2, 4, 8], help="site counts at --site-params"
+    )
+    parser.add_argument("--site-params", type=int, default=100_000_000)
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per case (the first is left out)")
+    parser.add_argument("--smoke", action="store_true", help="one 200k-parameter case: seconds")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path, help="default: the --json path with .png")
+    parser.add_argument("--site", help=argparse.SUPPRESS)
+    parser.add_argument("--target", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.site:
+        site_main(args)
+    elif args.floor_server:
+        floor_server_main(args)
+    else:
+        driver(args)
+
+
+if __name__ == "__main__":
+    main()
