@@ -11,9 +11,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [[ -x "$PY" ]] || PY=python3
-OUT=${GPU_CHECK_OUT:-gpu-check}
+OUT=${GPU_CHECK_OUT:-runs/gpu-check}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+if ! "$PY" -c "import geodiloco.site, torch" 2>/dev/null; then
+  echo "gpu_check: $PY cannot import geodiloco and torch; run 'make setup' with a CUDA build of" \
+    "torch (deploy/README.md: TORCH_INDEX_URL) or set PYTHON=" >&2
+  exit 2
+fi
 
 if [[ "${1:-}" == "--smoke" ]]; then
   DEVICE=cpu
