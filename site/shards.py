@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, _mesh_resources
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -95,7 +95,7 @@ def replica_dims(p: DTensor) -> tuple[DeviceMesh, list[int]]:
     """The site's whole mesh and its dims along which ranks hold the same local piece of ``p``:
     its Replicate dims, and the dims its own mesh does not span (FSDP2's dp mesh under TP)."""
     mesh = p.device_mesh
-    root = mesh._get_root_mesh()
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else _mesh_resources.get_root_mesh(mesh)
     names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
     if names is None or root_names is None:
         return mesh, [d for d, pl in enumerate(p.placements) if isinstance(pl, Replicate)]

@@ -413,6 +413,13 @@ def _site_run(args: argparse.Namespace) -> int:
         raise UsageError(
             "--mixed-precision: fp8 needs a CUDA GPU of compute capability 8.9 or newer, not cpu"
         )
+    if args.device == "cuda":  # asked for: fail here, not in every rank (auto and cpu ask nothing)
+        from geodiloco.distributed import DeviceError, resolve_device
+
+        try:
+            resolve_device("cuda", args.nproc - 1)
+        except DeviceError as exc:
+            raise UsageError(f"--{exc}") from None
     extra = ["--layout", args.layout, "--mixed-precision", args.mixed_precision, "--device", args.device]
     if args.checkpoint_every and args.checkpoint_dir is None:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")

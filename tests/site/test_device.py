@@ -134,3 +134,16 @@ def test_bf16_autocast_computes_in_bf16_and_keeps_fp32_parameters() -> None:
         for p in model.parameters()
     )
     assert next(n for n, _ in trained.named_parameters()).startswith("module.")
+
+
+def test_fp8_swaps_linears_without_changing_the_canonical_parameters() -> None:
+    pytest.importorskip("torchao", reason="fp8 is the optional extra geodiloco[fp8]")
+    from geodiloco.site.layout import apply_float8
+
+    model = build_model(GPTConfig(n_layer=1, n_head=2, d_model=32, seq_len=8), seed=0)
+    before = [(n, p.shape) for n, p in model.named_parameters()], state_hash(flatten_parameters(model))
+    assert apply_float8(model) == 4  # qkv, proj, fc and out: every dim a multiple of 16
+    assert type(model.blocks[0].fc).__name__ == "Float8Linear"
+    after = [(n, p.shape) for n, p in model.named_parameters()], state_hash(flatten_parameters(model))
+    assert after == before  # the wire's canonical vector is the same: fp8 sites join any run
+    assert ShardMap(model, 0, 1).num_params == sum(p.numel() for p in model.parameters())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from geodiloco.cli import main
 from geodiloco.site.launcher import Nodes, NodesError, worker_command
@@ -36,6 +37,12 @@ def test_one_node_is_standalone_and_many_meet_at_node_0() -> None:
 def test_bad_node_settings_name_the_flag(nodes: tuple[int, int, str | None], message: str) -> None:
     with pytest.raises(NodesError, match=message):
         Nodes(*nodes)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal needs a machine without CUDA")
+def test_site_run_refuses_cuda_where_torch_sees_none(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["site", "run", "--name", "a", "--insecure", "--device", "cuda"]) == 2
+    assert "--device: cuda was asked for but torch sees no CUDA device" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
