@@ -24,7 +24,16 @@ import torch.distributed as dist
 
 import geodiloco.site.checkpoint as checkpoint
 from geodiloco import faults, logs
-from geodiloco.builders import Batch, build_data, build_loss, build_model, build_optimizer, check_site_step
+from geodiloco.builders import (
+    Batch,
+    build_data,
+    build_loss,
+    build_model,
+    build_optimizer,
+    check_site_step,
+    exit_config_error,
+)
+from geodiloco.config import ConfigError
 from geodiloco.distributed import DEVICES, init_rank, shutdown_distributed
 from geodiloco.lifecycle import GracefulStop
 from geodiloco.logs import setup_logging
@@ -131,9 +140,7 @@ def train(
         resume(found, model, optimizer, sync)
     data = build_data(cfg)
     loss_fn = build_loss(cfg)
-    check_site_step(
-        cfg, trained, data, loss_fn, device=device
-    )  # a mismatch: one line and exit 2, before training
+    check_site_step(cfg, trained, data, loss_fn, device)  # a mismatch is a config error, before training
     dp_rank, dp = data_parallel_rank(mesh), layout.data_parallel
     # the site's share of the eval set (by its shard index), split among its data-parallel ranks
     eval_part, eval_parts = sync.shard_index + sync.shard_count * dp_rank, sync.shard_count * dp
@@ -216,7 +223,10 @@ def main(argv: list[str] | None = None) -> None:
     tls = TlsFiles(*args.tls) if args.tls else None
     secret = load_secret(args.secret) if args.secret else None  # every rank pushes its own part
     options = SiteOptions(layout, args.checkpoint_dir, args.checkpoint_every, args.device)
-    train(args.coordinator, args.site, tls, secret, options)
+    try:
+        train(args.coordinator, args.site, tls, secret, options)
+    except ConfigError as exc:  # a builder that cannot be imported or does not fit: one line
+        exit_config_error(exc)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from geodiloco.builders import (
     build_model,
     check_site_step,
     check_workload,
+    exit_config_error,
 )
 from geodiloco.config import ConfigError, RunConfig, load_config
 from geodiloco.workload.data import DataRange
@@ -122,6 +123,10 @@ def toy_data(cfg: RunConfig) -> Toy:
     return Toy(cfg)
 
 
+def plain_cross_entropy(cfg: RunConfig) -> object:
+    return cross_entropy
+
+
 def detached_loss(cfg: RunConfig) -> object:
     return lambda model, batch: cross_entropy(model, batch).detach()
 
@@ -207,13 +212,15 @@ def test_mismatches_are_one_line_config_errors_naming_the_builder(more: list[str
     assert "\n" not in str(err.value)
 
 
-def test_a_site_dry_step_leaves_with_one_line_for_torchrun(
+def test_a_site_dry_step_refuses_in_one_line_and_leaves_a_good_model_as_it_was(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     cfg = own("three_inputs_model")
+    with pytest.raises(BuilderError) as err:
+        check_site_step(cfg, build_model(cfg), build_data(cfg), build_loss(cfg))
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
     with pytest.raises(SystemExit) as exit_:
-        check_site_step(cfg, build_model(cfg), build_data(cfg), build_loss(cfg))
+        exit_config_error(err.value)
     assert exit_.value.code == 2
     line = capsys.readouterr().err.strip()
     assert line.startswith("geodiloco site: invalid config: workload.model: ") and "\n" not in line

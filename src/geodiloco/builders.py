@@ -14,7 +14,7 @@ builder; every site builds all three. What each builder takes and returns:
 
 Mismatches between them are found before training by one dry step (:func:`check_workload` at
 coordinator start, :func:`check_site_step` on each site) and reported as a one-line config error
-naming the builder, never as a traceback from a rank.
+naming the builder (:func:`exit_config_error` on a site's ranks), never as a traceback.
 """
 
 from __future__ import annotations
@@ -293,45 +293,33 @@ def check_workload(cfg: RunConfig) -> None:
         raise BuilderError(
             f"workload.data: {cfg.workload.data}'s tokens(batch) gave {tokens!r}, not a positive int"
         )
-    check_site_step(cfg, model, data, loss_fn, exit_on_error=False)
+    check_site_step(cfg, model, data, loss_fn)
 
 
 def check_site_step(
-    cfg: RunConfig,
-    model: nn.Module,
-    data: SiteData,
-    loss_fn: LossFn,
-    *,
-    device: torch.device | None = None,
-    exit_on_error: bool = True,
+    cfg: RunConfig, model: nn.Module, data: SiteData, loss_fn: LossFn, device: torch.device | None = None
 ) -> None:
     """A site's dry step before its first inner step: score the first held-out batch with the
-    site's own (wrapped) model in eval mode, without gradients, so nothing changes.
-
-    Every rank of a site calls it (the model may be sharded). On a mismatch a rank logs one line
-    and leaves with status 2, the line also written where torchrun shows a rank's cause."""
+    site's own (wrapped) model in eval mode, without gradients, so nothing changes. Every rank
+    of a site calls it (the model may be sharded); raises :class:`BuilderError` (one line)."""
+    batches = _call("data", "eval_batches()", lambda: iter(data.eval_batches(0, 1)))
+    batch = _call("data", "eval_batches()", lambda: next(batches, None))
+    if batch is None:
+        raise BuilderError(f"workload.data: {cfg.workload.data}'s eval_batches(0, 1) is empty")
+    if device is not None:  # the batch goes where the model's parameters live
+        batch = tuple(t.to(device) for t in batch)
+    was_training = model.training
+    model.eval()
     try:
-        batches = _call("data", "eval_batches()", lambda: iter(data.eval_batches(0, 1)))
-        batch = _call("data", "eval_batches()", lambda: next(batches, None))
-        if batch is None:
-            raise BuilderError(f"workload.data: {cfg.workload.data}'s eval_batches(0, 1) is empty")
-        if device is not None:  # the batch goes where the model's parameters live
-            batch = tuple(t.to(device) for t in batch)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                _loss_on(cfg, loss_fn, model, batch)
-        finally:
-            model.train(was_training)
-    except BuilderError as exc:
-        if not exit_on_error:
-            raise
-        exit_config_error(exc)
+        with torch.no_grad():
+            _loss_on(cfg, loss_fn, model, batch)
+    finally:
+        model.train(was_training)
 
 
-def exit_config_error(exc: BuilderError) -> NoReturn:
-    """Leave a rank with one line for a config error, where people and torchrun look for it."""
+def exit_config_error(exc: ConfigError) -> NoReturn:
+    """Leave a rank with one line for a config error (status 2), where people look for it and
+    where torchrun shows a failed rank's cause, instead of a traceback."""
     line = f"invalid config: {exc}"
     print(f"geodiloco site: {line}", file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
