@@ -25,9 +25,16 @@ class Contribution(Protocol):
         ...
 
 
+SQUARES_BLOCK = 1 << 20  # float64 scratch per piece: 8 MiB, whatever the model
+
+
 def sum_of_squares(values: torch.Tensor) -> float:
     """Σ x² in float64: finite for any finite fp32 values, inf or NaN exactly when one is not."""
-    return float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
+    flat = values.reshape(-1)
+    return sum(
+        float(torch.linalg.vector_norm(flat[a : a + SQUARES_BLOCK], dtype=torch.float64)) ** 2
+        for a in range(0, flat.numel(), SQUARES_BLOCK)
+    )
 
 
 class TensorContribution:

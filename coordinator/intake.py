@@ -20,7 +20,7 @@ import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -39,7 +39,7 @@ from geodiloco.workload.data import DataRange
 log = logging.getLogger("geodiloco.coordinator")
 
 WINDOW = 4  # chunks of one stream decoded while the next are read
-WORKERS = 4
+WORKERS = min(4, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,14 +152,20 @@ class Staged:
                 f"all {self.parts} parts arrived but {missing} of {num_params} elements are missing"
             )
 
-    def fold_into(self, total: torch.Tensor, weight: float) -> None:
-        """total += weight · Δ, decoding each staged chunk again (worker thread)."""
+    def fold_into(self, total: torch.Tensor, weight: float, pool: Executor) -> None:
+        """total += weight · Δ, decoding each staged chunk again, chunks in parallel on ``pool``
+        (their elements are disjoint: the coverage check passed)."""
+        self.spill.flush()
+        fd = self.spill.fileno()
+
+        def one(c: StagedChunk) -> None:
+            payload = os.pread(fd, c.length, c.offset)
+            values = self.pipeline.decode(payload, c.segment.numel, Place(self.round, c.segment))
+            c.segment.view_of(total).add_(values.view(c.segment.rows, c.segment.row_len), alpha=weight)
+
         with self.lock:
-            for c in self.chunks:
-                self.spill.seek(c.offset)
-                payload = self.spill.read(c.length)
-                values = self.pipeline.decode(payload, c.segment.numel, Place(self.round, c.segment))
-                c.segment.view_of(total).add_(values.view(c.segment.rows, c.segment.row_len), alpha=weight)
+            for _ in pool.map(one, self.chunks):
+                pass
 
     def close(self) -> None:
         self.spill.close()
@@ -168,12 +174,13 @@ class Staged:
 class StagedContribution:
     """A complete, checked :class:`Staged` as the round controller folds it."""
 
-    def __init__(self, staged: Staged) -> None:
+    def __init__(self, staged: Staged, pool: Executor) -> None:
         self.staged = staged
+        self.pool = pool
         self.sumsq = staged.total_sumsq
 
     def fold_into(self, total: torch.Tensor, weight: float) -> None:
-        self.staged.fold_into(total, weight)
+        self.staged.fold_into(total, weight, self.pool)
 
 
 def _intervals(segments: list[Segment]) -> tuple[np.ndarray, np.ndarray]:

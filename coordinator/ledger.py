@@ -140,11 +140,21 @@ class DataLedger:
             if shard.owner == site:
                 shard.owner = None
 
-    def can_feed(self, demands: list[int]) -> bool:
-        """Whether sites needing ``demands`` windows per round can each be reserved every round:
-        the demands plus one shard each (a reservation's partial last shard) fit in the data."""
-        largest = max(s.size for s in self.shards)
-        return sum(d + largest for d in demands) <= sum(s.size for s in self.shards)
+    def can_feed(self, demands: dict[str, int], rounds: int = 4) -> bool:
+        """Whether sites needing ``demands`` windows per round can each be reserved for the next
+        ``rounds`` rounds, tried on a copy of the ledger (every round settled as committed)."""
+        trial = DataLedger(
+            [ShardState(s.size, s.consumed, s.epoch, s.owner) for s in self.shards],
+            {site: list(ranges) for site, ranges in self.reservations.items() if site in demands},
+        )
+        try:
+            for r in range(rounds):
+                for site, windows in demands.items():
+                    trial.reserve(site, windows)
+                trial.settle(r, set(demands))
+        except LedgerExhausted:
+            return False
+        return True
 
     def progress(self) -> tuple[int, int]:
         """(windows consumed in the current epochs, windows in all shards)."""

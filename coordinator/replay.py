@@ -6,15 +6,17 @@ The coordinator replays this way when it restarts; tools (an exporter, an audito
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from geodiloco.compression import Place, parse_pipeline
+from geodiloco.compression import EncodedChunk, Place, parse_pipeline
 from geodiloco.coordinator.aggregator import sum_of_squares
 from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError, StateError, load_state
+from geodiloco.coordinator.rounds_pool import WORKERS
 from geodiloco.coordinator.updatelog import LoggedUpdate, logged_rounds, read_update
 from geodiloco.params import Checksum, state_hash
 from geodiloco.security.sealing import Sealer
@@ -30,16 +32,24 @@ class CommittedParameters:
 
 def apply_update(theta: torch.Tensor, update: LoggedUpdate) -> float:
     """θ += the update's decoded chunks, in place, checked against its logged hash; returns ‖θ‖."""
-    codec, checksum, sumsq = parse_pipeline(update.codec), Checksum(), 0.0
-    for chunk in update.chunks:
-        if chunk.numel <= 0 or chunk.start + chunk.numel > theta.numel():
-            raise CorruptStateError(f"the update of round {update.round} has a chunk outside the model")
+    codec = parse_pipeline(update.codec)
+    spans = sorted((c.start, c.start + c.numel) for c in update.chunks)
+    if any(a >= b for a, b in spans) or any(b > c for (_, b), (c, _) in itertools.pairwise(spans)):
+        raise CorruptStateError(f"the update of round {update.round} has overlapping or empty chunks")
+    if spans and spans[-1][1] > theta.numel():
+        raise CorruptStateError(f"the update of round {update.round} has a chunk outside the model")
+
+    def one(chunk: EncodedChunk) -> tuple[Checksum, float]:
         piece = theta[chunk.start : chunk.start + chunk.numel]
-        piece.add_(
-            codec.decode(chunk.payload, chunk.numel, Place.span(update.round, chunk.start, chunk.numel))
-        )
+        place = Place.span(update.round, chunk.start, chunk.numel)
+        piece.add_(codec.decode(chunk.payload, chunk.numel, place))
+        checksum = Checksum()
         checksum.add_range(chunk.start, piece)
-        sumsq += sum_of_squares(piece)
+        return checksum, sum_of_squares(piece)
+
+    checksum, sumsq = Checksum(), 0.0
+    for part, squares in WORKERS.map(one, update.chunks):  # disjoint chunks: in parallel
+        checksum, sumsq = checksum.merge(part), sumsq + squares
     if checksum.count != theta.numel() or checksum.hexdigest() != update.state_hash:
         raise CorruptStateError(f"replaying round {update.round} does not give its logged hash")
     return math.sqrt(sumsq)

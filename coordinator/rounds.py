@@ -38,6 +38,7 @@ from geodiloco.coordinator.ledger import DataLedger, LedgerExhausted
 from geodiloco.coordinator.outer_optimizer import NesterovOuter, build_outer_optimizer
 from geodiloco.coordinator.replay import apply_update
 from geodiloco.coordinator.reports import REPORT_LOG, HashReport, append_report, read_reports
+from geodiloco.coordinator.rounds_pool import WORKERS
 from geodiloco.coordinator.updatelog import LoggedUpdate, logged_rounds, prune, read_update, write_update
 from geodiloco.params import Checksum, state_hash
 from geodiloco.security.sealing import Sealer
@@ -263,20 +264,20 @@ class RoundController:
             raise InvalidArgument(f"world_size {world_size} exceeds limits.max_world_size {limit}")
         if not self.finished:
             windows = self.windows_for(world)
-            others = [
-                self.windows_per_round(s)
+            others = {
+                s.name: self.windows_per_round(s)
                 for s in self.sites.values()
                 if s.state == "joined" and s.name != name
-            ]
+            }
             try:
-                if not self.ledger.can_feed([*others, windows]):
+                if not self.ledger.can_feed({**others, name: windows}):
                     raise LedgerExhausted(f"the data holds {self.ledger.progress()[1]} windows")
                 self.ledger.reserve(name, windows)
             except LedgerExhausted as exc:
                 raise InvalidArgument(
                     f"world_size {world} needs {windows} data windows per round "
                     f"(inner.steps_per_round x world_size x data.batch_size), more than the data "
-                    f"can feed every round next to the other sites' {sum(others)}: {exc}"
+                    f"can feed every round next to the other sites' {sum(others.values())}: {exc}"
                 ) from None
         record.state, record.last_seen, record.world_size = "joined", time.monotonic(), world
         log.info("site %s joined at round %d (shard %d)", name, self.round, record.shard_index)
@@ -474,25 +475,31 @@ class RoundController:
 
     def _advance(self, round_: int) -> CommittedUpdate:
         """θ_round → θ_{round+1} (worker thread): average, outer step, then chunk by chunk and in
-        place: compensate with the downlink residual, encode, keep what the encoding dropped,
-        apply the decoded change, and hash and measure the new θ while the chunk is in cache."""
+        place, chunks in parallel: compensate with the downlink residual, encode, keep what the
+        encoding dropped, apply the decoded change, and hash and measure the new θ while the
+        chunk is in cache."""
         proposed = self.optimizer.step(self.mean.mean())
         residual = self.downlink_feedback.residual
         torch.add(proposed, residual, alpha=self.downlink_feedback.decay, out=residual)  # what to send
-        chunks: list[EncodedChunk] = []
-        checksum, sumsq = Checksum(), 0.0
-        for start, numel in chunk_ranges(self.num_params, self.cfg.compression.chunk_elements):
+
+        def one(span: tuple[int, int]) -> tuple[EncodedChunk, Checksum, float]:
+            start, numel = span
             send = residual[start : start + numel]
             payload, decoded = self.downlink.roundtrip(send, Place.span(round_, start, numel))
             send.sub_(decoded)
             theta = self.theta[start : start + numel]
             theta.add_(decoded)
+            checksum = Checksum()
             checksum.add_range(start, theta)
-            sumsq += sum_of_squares(theta)
-            chunks.append(EncodedChunk(start, numel, payload))
+            return EncodedChunk(start, numel, payload), checksum, sum_of_squares(theta)
+
+        done = list(WORKERS.map(one, chunk_ranges(self.num_params, self.cfg.compression.chunk_elements)))
         self.mean.reset()
-        self.theta_norm = math.sqrt(sumsq)
-        return CommittedUpdate(round_, self.downlink.spec, chunks, checksum.hexdigest())
+        checksum = Checksum()
+        for _, part, _ in done:
+            checksum = checksum.merge(part)
+        self.theta_norm = math.sqrt(sum(s for _, _, s in done))
+        return CommittedUpdate(round_, self.downlink.spec, [c for c, _, _ in done], checksum.hexdigest())
 
     async def _persist(self) -> None:
         """Log the round just committed (its compressed update and record), and every

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -230,6 +231,9 @@ def _resumes(run_dir: Path | None) -> bool:
 
 async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
     """The `geodiloco coordinator serve` process: serve until SIGINT/SIGTERM or Shutdown."""
+    # Intake and commits run in worker threads; a short switch interval hands the GIL back to
+    # the event loop sooner, so heartbeats and pulls are answered while they work.
+    sys.setswitchinterval(0.001)
     security = opts.security(cfg.run_id)
     sealer = security.keyring.at_rest(STATE_LABEL) if security.keyring else None  # state sealed at rest
     controller = RoundController(

@@ -283,7 +283,12 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             staged.check_covered(self.c.num_params)
             h = stream.first.header
             accepted = await self.c.contribute(
-                h.site, h.run_id, h.round, staged.tokens, StagedContribution(staged), staged.data
+                h.site,
+                h.run_id,
+                h.round,
+                staged.tokens,
+                StagedContribution(staged, self.intake.pool),
+                staged.data,
             )
         finally:
             self.intake.release(stream.site, staged)

@@ -22,19 +22,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import grpc
 import torch
 from torch import nn
 
-from geodiloco.compression import ErrorFeedback, Place, parse_pipeline
+from geodiloco.compression import ErrorFeedback, Pipeline, Place, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.params import HASH_BLOCK, Checksum
 from geodiloco.security.tls import TlsFiles
+from geodiloco.segment import Segment
 from geodiloco.site.client import (
     Heartbeater,
     JoinInfo,
@@ -68,6 +69,55 @@ def _outcome(exc: Exception) -> Outcome:
         if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
             return Outcome.RESYNC
     return Outcome.FAILED
+
+
+class DeltaEncoding(Sequence[WireChunk]):
+    """A rank's pseudo-gradient, compressed chunk by chunk when the push stream takes it: chunk
+    i+1 is encoded while chunk i is on the wire, and each chunk's error-feedback residual is kept
+    as it is encoded (no model-sized decoded copy). Encoded chunks are kept for a retried push."""
+
+    def __init__(
+        self,
+        codec: Pipeline,
+        round_: int,
+        to_send: torch.Tensor,
+        segments: list[tuple[int, Segment]],
+        residual: torch.Tensor,
+    ) -> None:
+        self.codec, self.round, self.to_send, self.segments = codec, round_, to_send, segments
+        self.residual = residual
+        self._done: dict[int, WireChunk] = {}
+
+    def __len__(self) -> int:
+        return len(self.segments)
+
+    @overload
+    def __getitem__(self, i: int) -> WireChunk: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[WireChunk]: ...
+    def __getitem__(self, i: int | slice) -> WireChunk | Sequence[WireChunk]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        chunk = self._done.get(i)
+        if chunk is None:
+            offset, segment = self.segments[i]
+            values = self.to_send[offset : offset + segment.numel]
+            with torch.no_grad():
+                payload, back = self.codec.roundtrip(values, Place(self.round, segment))
+                back = back.to(values.device)  # codecs decode on the host; Δ may live on a GPU
+                torch.sub(values, back, out=self.residual[offset : offset + segment.numel])
+            chunk = self._done[i] = WireChunk(segment, payload)
+        return chunk
+
+    def __iter__(self) -> Iterator[WireChunk]:
+        return (self[i] for i in range(len(self)))
+
+    def finish(self) -> None:
+        """Encode what no push took, so the residual covers the whole Δ."""
+        for i in range(len(self)):
+            self[i]
 
 
 @dataclass(slots=True)
@@ -208,6 +258,7 @@ class OuterSync:
         closed = self.round
         chunks = self._encode_delta()
         pulled, applied = self._exchange(closed, chunks, tokens)
+        chunks.finish()  # a push cut short (a resync) still leaves the residual of the whole Δ
         if not applied:
             self._apply(pulled)
         digest = self.digest(self.snapshot)
@@ -224,8 +275,9 @@ class OuterSync:
         return self.last_result
 
     @torch.no_grad()
-    def _encode_delta(self) -> list[WireChunk]:
-        """Δ = θ_r − θ on the owned elements, plus the error-feedback residual, compressed."""
+    def _encode_delta(self) -> DeltaEncoding:
+        """Δ = θ_r − θ on the owned elements, plus the error-feedback residual, to be compressed
+        chunk by chunk as the push stream takes it (see :class:`DeltaEncoding`)."""
         assert self.shards is not None
         delta = self.shards.gather_owned(self.snapshot)
         at = 0
@@ -235,15 +287,8 @@ class OuterSync:
             at += n
         to_send = self.feedback.compensate(delta)
         del delta
-        decoded = torch.empty_like(to_send)
-        chunks = []
-        for offset, segment in self.shards.wire_segments(self.config.compression.chunk_elements):
-            values = to_send[offset : offset + segment.numel]
-            payload, back = self.uplink.roundtrip(values, Place(self.round, segment))
-            decoded[offset : offset + segment.numel] = back
-            chunks.append(WireChunk(segment, payload))
-        self.feedback.record(to_send, decoded)
-        return chunks
+        segments = list(self.shards.wire_segments(self.config.compression.chunk_elements))
+        return DeltaEncoding(self.uplink, self.round, to_send, segments, self.feedback.residual)
 
     def _call(self, fn: Callable[[], T]) -> tuple[T | None, Outcome]:
         try:
@@ -254,7 +299,7 @@ class OuterSync:
             (log.error if outcome is Outcome.FAILED else log.warning)("rank %d: %s", self.group.rank, detail)
             return None, outcome
 
-    def _exchange(self, round_: int, chunks: list[WireChunk], tokens: int) -> tuple[PulledPart, bool]:
+    def _exchange(self, round_: int, chunks: Sequence[WireChunk], tokens: int) -> tuple[PulledPart, bool]:
         """Push (idempotent) and pull the round's update, all ranks together.
 
         Recovers from a restarted coordinator that lost the uncommitted contribution (ABORTED:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from geodiloco.compression import encode_chunks, parse_pipeline
-from geodiloco.config import LimitsConfig, RunConfig
+from geodiloco.config import DataConfig, InnerConfig, LimitsConfig, RunConfig
 from geodiloco.coordinator.errors import InvalidArgument
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.coordinator.server import data_shard_sizes
@@ -38,7 +38,7 @@ async def test_declared_worlds_are_fed_every_round_or_refused_at_join(
     cfg = RunConfig(round_timeout_s=0.1, limits=LimitsConfig(max_delta_norm_ratio=0.0))
     c = RoundController(cfg, torch.zeros(100), default_shards)
     await c.join("site-2", "", world_size=1)
-    feedable = c.ledger.can_feed([c.windows_for(1), c.windows_for(world)])
+    feedable = c.ledger.can_feed({"site-2": c.windows_for(1), "site-1": c.windows_for(world)})
     assert feedable == (world <= 150)  # 60,024 windows; 200 per rank and round
     if not feedable:
         ledger = c.ledger.state_dict()
@@ -170,3 +170,14 @@ def test_a_site_of_4096_ranks_pushes_one_part_per_rank() -> None:
 def test_limits_are_validated_by_name() -> None:
     with pytest.raises(ValueError, match=r"limits\.max_parts"):
         tiny_config(limits__max_parts=0)
+
+
+async def test_as_many_one_rank_sites_as_shards_are_all_admitted() -> None:
+    sites = [f"site-{i}" for i in range(8)]
+    cfg = RunConfig(
+        sites=sites, data=DataConfig(shards=8, batch_size=1), inner=InnerConfig(steps_per_round=1)
+    )
+    c = RoundController(cfg, torch.zeros(10), [568] * 8)
+    for name in sites:
+        await c.join(name, "")
+    assert c.live_sites() == set(sites)
