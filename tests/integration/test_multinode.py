@@ -1,12 +1,13 @@
 """A site that spans two "nodes" next to a one-node site, on loopback.
 
 Site ``site-multi`` is two ``geodiloco site run`` processes (2 ranks each) that meet through
-torchrun's c10d rendezvous and train as one FSDP2 group of 4 ranks; ``site-single`` is one
-process of 2 DDP ranks. The run's quorum is every site, so rounds wait for ``site-multi``.
-Node 1 is SIGKILLed (launcher, torchrun and ranks, as if its machine died) once a checkpoint
-is on disk: node 0 must fail too (the site fails as a whole), and the site comes back on one
-node of 2 ranks from the 4-rank checkpoint, rejoins and finishes. Every round, both sites'
-hashes agree with the coordinator's.
+torchrun's c10d rendezvous and train as one group of 4 ranks, tensor parallel inside a node and
+FSDP2 across the two (``fsdp+tp``); ``site-single`` is one process of 2 DDP ranks. Rounds wait
+for ``site-multi`` (the quorum is every site). Node 1 is SIGKILLed (launcher, torchrun and
+ranks, as if its machine died) once a checkpoint is on disk: node 0 must fail too (the site
+fails as a whole), and the site comes back on one node of 2 FSDP2 ranks from the 4-rank
+checkpoint (the state, parameters and error-feedback residual it loads hash to what was saved),
+rejoins and finishes. Every round, both sites' hashes agree with the coordinator's.
 """
 
 from __future__ import annotations
@@ -43,16 +44,18 @@ def test_two_node_site_agrees_fails_as_a_whole_and_resumes_on_one_node(tmp_path:
     cfg = tiny_config(rounds=ROUNDS, sites=SITES, lease_s=4.0, inner__steps_per_round=16)
     coordinator, target = start_coordinator_process(cfg, tmp_path)
     ckpt, rdzv = tmp_path / "ckpt", f"127.0.0.1:{free_port()}"
-    multi = ["--layout", "fsdp", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    multi = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
 
     def node(rank: int) -> list[str]:
         return ["--nproc", "2", "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", rdzv]
 
+    layout = ["--layout", "fsdp+tp"]
+
     logs = {k: tmp_path / f"{k}.log" for k in ("node0", "node1", "single", "again")}
     procs = {
         "single": spawn_geodiloco(site_args("site-single", target, "--nproc", "2"), logs["single"]),
-        "node0": spawn_geodiloco(site_args("site-multi", target, *node(0), *multi), logs["node0"]),
-        "node1": spawn_geodiloco(site_args("site-multi", target, *node(1), *multi), logs["node1"]),
+        "node0": spawn_geodiloco(site_args("site-multi", target, *node(0), *layout, *multi), logs["node0"]),
+        "node1": spawn_geodiloco(site_args("site-multi", target, *node(1), *layout, *multi), logs["node1"]),
     }
     try:
         deadline = time.monotonic() + 300
@@ -62,14 +65,15 @@ def test_two_node_site_agrees_fails_as_a_whole_and_resumes_on_one_node(tmp_path:
                 assert procs[name].poll() is None, logs[name].read_text()[-3000:]
             time.sleep(0.2)
         both = logs["node0"].read_text() + logs["node1"].read_text()
-        assert "layout: fsdp over 4 ranks" in both  # one group of both nodes' ranks
+        assert "layout: fsdp+tp over 4 ranks" in both  # one group of both nodes' ranks
         kill_tree(procs["node1"])  # the machine of node 1 dies
         assert procs["node0"].wait(timeout=180) != 0, "node 0 went on without node 1"
-        saved = read_meta(sorted(ckpt.glob("round-*/site.json"))[-1].parent)
-        assert saved.ranks == 4
+        latest = sorted(ckpt.glob("round-*/site.json"))[-1].parent
+        saved = read_meta(latest)  # what the site will come back from
+        assert saved.ranks == 4 and saved.layout == "fsdp+tp"
 
         procs["multi"] = spawn_geodiloco(  # back on one node: 2 ranks, from the 4-rank checkpoint
-            site_args("site-multi", target, "--nproc", "2", *multi), logs["again"]
+            site_args("site-multi", target, "--nproc", "2", "--layout", "fsdp", *multi), logs["again"]
         )
         for name in ("single", "multi"):
             log = logs["again" if name == "multi" else name]
@@ -77,7 +81,9 @@ def test_two_node_site_agrees_fails_as_a_whole_and_resumes_on_one_node(tmp_path:
         assert "resumed from round-0000" in logs["again"].read_text()
         assert "4 ranks before, 2 now" in logs["again"].read_text()
         resumed = json.loads((ckpt / "resumed.json").read_text())
-        assert resumed["ranks"] == 2 and resumed["checkpoint"].startswith("round-0000")
+        assert resumed["checkpoint"] == latest.name and resumed["ranks"] == 2
+        for key in ("state_hash", "params_hash", "residual_hash"):
+            assert resumed[key] == getattr(saved, key), key
 
         status = fetch_status(target, None)
         assert status.finished and [h.round for h in status.history] == list(range(ROUNDS))
