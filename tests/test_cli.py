@@ -18,6 +18,7 @@ SUBCOMMANDS = [
     ["site", "run"],
     ["status"],
     ["report"],
+    ["export"],
     ["health"],
     ["demo"],
     ["baseline"],
