@@ -114,6 +114,7 @@ VALUE_CODECS: dict[str, Callable[[StageArgs], ValueCodec]] = {
     "nf4": _levels("nf4", normal_float_levels()),
     "lm2": _levels("lm2", gaussian_two_bit_levels(), bits=2, rms=True),
 }
+DEVICE_CODECS = (BlockwiseAbsmax, LevelQuantizer)  # value codecs with an ``encode_on_device``
 SPARSIFIERS: dict[str, Callable[[StageArgs], TopK | Cyclic]] = {"topk": _topk, "cyclic": _cyclic}
 BYTE_STAGES: dict[str, Callable[[StageArgs], Zstd]] = {"zstd": _zstd}
 
@@ -214,9 +215,9 @@ class Pipeline:
 
     @property
     def device_ready(self) -> bool:
-        """Whether values on an accelerator are coded there: blockwise absmax with round to
-        nearest, alone or after ``cyclic`` or per-tensor ``topk``. Others copy fp32 to the host."""
-        values_ready = isinstance(self.values, BlockwiseAbsmax) and self.values.device_ready
+        """Whether values on an accelerator are coded there: q8/q4/q2 with round to nearest, fp4
+        or nf4, alone or after ``cyclic`` or per-tensor ``topk``. Others copy fp32 to the host."""
+        values_ready = isinstance(self.values, DEVICE_CODECS) and self.values.device_ready
         return values_ready and not (isinstance(self.sparsifier, TopK) and self.sparsifier.block)
 
     def _codes_on_device(self, x: torch.Tensor, on_device: bool | None) -> bool:
@@ -230,7 +231,7 @@ class Pipeline:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Sparsify and quantise on ``x``'s device: (raw value bytes, decoded values, kept
         indices for a top-k index set or None), all on that device."""
-        assert isinstance(self.values, BlockwiseAbsmax)
+        assert isinstance(self.values, DEVICE_CODECS)
         x = x.to(torch.float32)
         if self.sparsifier is None:
             raw, back = self.values.encode_on_device(x)

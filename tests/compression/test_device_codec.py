@@ -1,6 +1,7 @@
 """The device path of the outer-sync codecs (quantise where the values live, copy only the raw
 bytes to the host), forced onto CPU tensors: the same frames and decoded values as the host path
-(the C kernels for q8), for every codec it takes, and tensors made only where the input lives."""
+(the C kernels for q8) for every codec it takes (q8/q4/q2, fp4, nf4), and tensors made only
+where the input lives."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from geodiloco.compression import CodecError, Place, parse_pipeline
+from geodiloco.compression.levels import LevelQuantizer, gaussian_two_bit_levels
 from geodiloco.compression.pipeline import host_copy
 from geodiloco.compression.quantize import BlockwiseAbsmax
 
@@ -24,8 +26,12 @@ DEVICE_SPECS = [
     "cyclic:0.5|q4:64|zstd:1",
     "topk:0.1|q4",
     "topk:0.05|q2|zstd:3",
+    "fp4",
+    "nf4:64|zstd:1",
+    "cyclic:0.4|fp4:32",
+    "topk:0.1|nf4",
 ]
-HOST_SPECS = ["fp32|zstd:1", "bf16", "q4:64:sr=3", "fp4", "lm2", "topk:0.1:256|q4", "cyclic:0.4"]
+HOST_SPECS = ["fp32|zstd:1", "bf16", "q4:64:sr=3", "lm2", "lm2:64|zstd:1", "topk:0.1:256|q4", "cyclic:0.4"]
 SIZES = [1, 63, 128, 129, 1000, 4099]  # odd block tails, single elements, exact blocks
 
 
@@ -75,7 +81,7 @@ def test_codecs_without_a_device_path_still_code_on_the_host(spec: str) -> None:
     assert _same_bits(back, codec.decode(data, x.numel(), place))
 
 
-@pytest.mark.parametrize("spec", ["q8", "q2|zstd:1", "topk:0.1|q4"])
+@pytest.mark.parametrize("spec", ["q8", "q2|zstd:1", "topk:0.1|q4", "fp4"])
 def test_only_quantised_bytes_leave_the_device(spec: str) -> None:
     codec, x = parse_pipeline(spec), _values(4099, 3)
     raw, back, kept = codec.device_stage(x)
@@ -86,7 +92,7 @@ def test_only_quantised_bytes_leave_the_device(spec: str) -> None:
     assert host_copy(raw) is raw  # already on the host: no copy
 
 
-@pytest.mark.parametrize("spec", ["q8|zstd:1", "q4:64", "q2:33", "topk:0.1|q4"])
+@pytest.mark.parametrize("spec", ["q8|zstd:1", "q4:64", "q2:33", "topk:0.1|q4", "fp4:64", "nf4"])
 def test_device_stage_makes_tensors_only_where_its_input_lives(spec: str) -> None:
     """With ``meta`` as the default device, any tensor made without naming the input's device
     lands on ``meta`` and the stage fails (mixed devices, or no data to read): on a GPU that
@@ -101,7 +107,7 @@ def test_device_stage_makes_tensors_only_where_its_input_lives(spec: str) -> Non
 
 
 def test_device_path_refuses_non_finite_values_and_a_missing_place() -> None:
-    for spec in ("q8", "q2", "cyclic:0.4|q4", "topk:0.1|q8"):
+    for spec in ("q8", "q2", "cyclic:0.4|q4", "topk:0.1|q8", "nf4"):
         x = _values(300)
         x[200] = float("nan")
         with pytest.raises(CodecError, match="NaN or Inf"):
@@ -110,10 +116,12 @@ def test_device_path_refuses_non_finite_values_and_a_missing_place() -> None:
         parse_pipeline("cyclic:0.4|q2").roundtrip(_values(300), on_device=True)
     with pytest.raises(CodecError, match="stochastic rounding is coded on the host"):
         BlockwiseAbsmax(bits=4, sr_seed=1).encode_on_device(_values(10))
+    with pytest.raises(CodecError, match="RMS-scaled levels are coded on the host"):
+        LevelQuantizer("lm2", gaussian_two_bit_levels(), bits=2, rms=True).encode_on_device(_values(10))
 
 
 def test_empty_chunks_take_the_device_path() -> None:
-    for spec in ("q8|zstd:1", "q4", "cyclic:0.4|q2", "topk:0.1|q4"):
+    for spec in ("q8|zstd:1", "q4", "cyclic:0.4|q2", "topk:0.1|q4", "fp4"):
         codec, place = parse_pipeline(spec), Place.span(0, 0, 0)
         data, back = codec.roundtrip(torch.zeros(0), place, on_device=True)
         assert data == codec.encode(torch.zeros(0), place) and back.numel() == 0
