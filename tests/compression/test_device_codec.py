@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from codec_strategies import tensors
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from geodiloco.compression import CodecError, Place, parse_pipeline
 from geodiloco.compression.levels import LevelQuantizer, gaussian_two_bit_levels
@@ -60,6 +63,17 @@ def test_device_path_gives_the_host_paths_bytes_and_values(spec: str, numel: int
         assert dev_data == data == codec.encode(x, place, on_device=True)
         assert _same_bits(dev_back, back)  # +0.0 where the receiver has +0.0: hashes agree
         assert _same_bits(codec.decode(dev_data, numel, place), dev_back)
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=st.sampled_from(DEVICE_SPECS), x=tensors(), round_=st.integers(0, 2**40))
+def test_device_path_matches_the_host_path_on_awkward_tensors(
+    spec: str, x: torch.Tensor, round_: int
+) -> None:
+    codec, place = parse_pipeline(spec), Place.span(round_, 3 * round_, x.numel())
+    data, back = codec.roundtrip(x, place)
+    dev_data, dev_back = codec.roundtrip(x, place, on_device=True)
+    assert dev_data == data and _same_bits(dev_back, back)
 
 
 @pytest.mark.parametrize("spec", ["q8|zstd:1", "q4:64", "cyclic:0.4|q2|zstd:1", "topk:0.1|q8"])
