@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from geodiloco.compression import CodecError, Place, parse_pipeline
+from geodiloco.compression.cyclic import Cyclic
 from geodiloco.compression.levels import LevelQuantizer, gaussian_two_bit_levels
-from geodiloco.compression.pipeline import host_copy
+from geodiloco.compression.pipeline import host_copy, kept_on_device
 from geodiloco.compression.quantize import BlockwiseAbsmax
 
 DEVICE_SPECS = [
@@ -104,6 +105,14 @@ def test_only_quantised_bytes_leave_the_device(spec: str) -> None:
     assert raw.numel() <= x.numel() * 4 * 0.27  # codes and steps: a quarter of fp32 at most
     assert back.shape == x.shape and back.dtype == torch.float32
     assert host_copy(raw) is raw  # already on the host: no copy
+
+
+def test_cyclic_kept_set_reaches_the_device_as_a_bit_mask() -> None:
+    codec = parse_pipeline("cyclic:0.4|q2")
+    assert isinstance(codec.sparsifier, Cyclic)
+    for numel in (1, 7, 8, 9, 1000):
+        kept = codec.sparsifier.select(Place.span(5, 11, numel), numel)
+        assert torch.equal(kept_on_device(kept, numel, torch.device("cpu")), kept)
 
 
 @pytest.mark.parametrize("spec", ["q8|zstd:1", "q4:64", "q2:33", "topk:0.1|q4", "fp4:64", "nf4"])
