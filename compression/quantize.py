@@ -39,9 +39,8 @@ def _scratch_fp32(numel: int, device: torch.device) -> torch.Tensor:
         return torch.empty(numel, dtype=torch.float32, device=device)
     buf: torch.Tensor | None = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(
-            numel, dtype=torch.float32, device=device
-        )  # no more than asked: ranks hold only their shard
+        # no more than asked: ranks hold only their shard
+        buf = torch.empty(numel, dtype=torch.float32, device=device)
         _scratch.buf = buf
     return buf[:numel]
 
