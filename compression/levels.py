@@ -77,29 +77,53 @@ class LevelQuantizer:
     def _scales(self, xb: torch.Tensor, numel: int) -> torch.Tensor:
         if not self.rms:
             return xb.abs().amax(dim=1)
-        counts = torch.full((xb.shape[0],), float(self.block), dtype=torch.float64)
+        counts = torch.full((xb.shape[0],), float(self.block), dtype=torch.float64, device=xb.device)
         counts[-1] = numel - (xb.shape[0] - 1) * self.block  # the zero padding is not data
         rms = (xb.to(torch.float64).square().sum(dim=1) / counts).sqrt()
         return rms.clamp_(max=self.max_scale).to(torch.float32)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        numel, nb = x.numel(), n_blocks(x.numel(), self.block)
-        out = torch.empty(self.encoded_size(numel), dtype=torch.uint8)
+        return self._encode(x)[0]
+
+    @property
+    def device_ready(self) -> bool:
+        """Whether :meth:`encode_on_device` applies: an RMS is a float64 sum whose order, and so
+        whose last bit, differs between devices; an absmax is exact everywhere."""
+        return not self.rms
+
+    def encode_on_device(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(The encoding as uint8, the values every receiver decodes from it), both on ``x``'s
+        device; the same bytes as on the host."""
+        if not self.device_ready:
+            raise CodecError(f"{self.spec}: RMS-scaled levels are coded on the host")
+        out, codes, scale = self._encode(x)
+        if codes is None:
+            return out, torch.empty(0, dtype=torch.float32, device=x.device)
+        values = self._table(x.device)[codes.long()]
+        return out, (as_blocks(values, self.block) * scale[:, None]).view(-1)[: x.numel()].contiguous()
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(self.levels, dtype=torch.float32, device=device)
+
+    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The encoding, the codes and the block scales, on ``x``'s device."""
+        numel, nb, device = x.numel(), n_blocks(x.numel(), self.block), x.device
+        out = torch.empty(self.encoded_size(numel), dtype=torch.uint8, device=device)
+        scale = out[: 4 * nb].view(torch.float32)
         if numel == 0:
-            return out
+            return out, None, scale
         xb = as_blocks(x, self.block)
         if not bool(torch.isfinite(xb).all()):
             raise CodecError("tensor contains NaN or Inf")
-        scale = self._scales(xb, numel)
-        out[: 4 * nb].view(torch.float32).copy_(scale)
+        scale.copy_(self._scales(xb, numel))
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
         y = (xb * inv[:, None]).view(-1)[:numel]
         if not self.rms:
             y = y.clamp(-1.0, 1.0)
-        table = torch.tensor(self.levels, dtype=torch.float32)
+        table = self._table(device)
         codes = torch.bucketize(y, (table[1:] + table[:-1]) / 2)
         out[4 * nb :].copy_(pack_bits(codes.to(torch.uint8), self.bits))
-        return out
+        return out, codes, scale
 
     def decode(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
         if raw.numel() != self.encoded_size(numel):

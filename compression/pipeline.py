@@ -13,6 +13,7 @@ which bounds what a decoder ever allocates.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ import torch
 
 from geodiloco.compression import envelope, indices, nibbles
 from geodiloco.compression.base import ValueCodec, require_finite
+from geodiloco.compression.bits import pack_bits
 from geodiloco.compression.casts import Bf16, Fp16, Fp32
 from geodiloco.compression.cyclic import Cyclic, Place
 from geodiloco.compression.entropy import Zstd
@@ -113,6 +115,7 @@ VALUE_CODECS: dict[str, Callable[[StageArgs], ValueCodec]] = {
     "nf4": _levels("nf4", normal_float_levels()),
     "lm2": _levels("lm2", gaussian_two_bit_levels(), bits=2, rms=True),
 }
+DEVICE_CODECS = (BlockwiseAbsmax, LevelQuantizer)  # value codecs with an ``encode_on_device``
 SPARSIFIERS: dict[str, Callable[[StageArgs], TopK | Cyclic]] = {"topk": _topk, "cyclic": _cyclic}
 BYTE_STAGES: dict[str, Callable[[StageArgs], Zstd]] = {"zstd": _zstd}
 
@@ -178,8 +181,12 @@ class Pipeline:
         """Bits per parameter of a frame before entropy coding (zstd only ever shrinks it)."""
         return 8.0 * (envelope.HEADER_SIZE + self.raw_size(numel)) / max(numel, 1)
 
-    def encode(self, x: torch.Tensor, place: Place | None = None) -> bytes:
-        x = x.detach().reshape(-1).to("cpu", torch.float32)  # a GPU site's values: coded on the host
+    def encode(self, x: torch.Tensor, place: Place | None = None, *, on_device: bool | None = None) -> bytes:
+        """The frame of ``x``; see :meth:`roundtrip` for where the work is done."""
+        x = x.detach().reshape(-1)
+        if self._codes_on_device(x, on_device):
+            return self._device_roundtrip(x, place)[0]
+        x = x.to("cpu", torch.float32)
         prefix = b""
         if self.sparsifier is None:
             raw = self.values.encode(x)
@@ -192,16 +199,64 @@ class Pipeline:
         else:
             kept = self.sparsifier.select(x)
             raw = torch.cat([indices.encode(kept, x.numel()), self.values.encode(x[kept])])
+        return self._seal(raw, x.numel(), prefix)
+
+    def _seal(self, raw: torch.Tensor, numel: int, prefix: bytes) -> bytes:
+        """Entropy-code the raw bytes (host uint8) and frame them."""
         body: bytes | memoryview = raw.numpy().data.cast("B")
         if self.splits_nibbles:  # steps, low nibbles as they are, then zstd over the high ones
             assert self.entropy is not None
-            head = raw.numel() - x.numel()
+            head = raw.numel() - numel
             hi, lo = nibbles.split(raw[head:])
             coded = self.entropy.encode(hi.numpy().data.cast("B"), of_frame=raw.numel())
             body = b"".join((body[:head], lo.numpy().data, coded))
         elif self.entropy is not None:
             body = self.entropy.encode(body)
-        return envelope.seal(self.tag, x.numel(), prefix + body if prefix else body)
+        return envelope.seal(self.tag, numel, prefix + body if prefix else body)
+
+    @property
+    def device_ready(self) -> bool:
+        """Whether values on an accelerator are coded there: q8/q4/q2 with round to nearest, fp4
+        or nf4, alone or after ``cyclic`` or per-tensor ``topk``. Others copy fp32 to the host."""
+        values_ready = isinstance(self.values, DEVICE_CODECS) and self.values.device_ready
+        return values_ready and not (isinstance(self.sparsifier, TopK) and self.sparsifier.block)
+
+    def _codes_on_device(self, x: torch.Tensor, on_device: bool | None) -> bool:
+        """``on_device`` None: on the device exactly when ``x`` is not on the CPU (where the C
+        kernels are faster); True forces the device path on any tensor (how CPU tests run it)."""
+        wanted = x.device.type != "cpu" if on_device is None else on_device
+        return wanted and self.device_ready
+
+    def device_stage(
+        self, x: torch.Tensor, place: Place | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Sparsify and quantise on ``x``'s device: (raw value bytes, decoded values, kept
+        indices for a top-k index set or None), all on that device."""
+        assert isinstance(self.values, DEVICE_CODECS)
+        x = x.to(torch.float32)
+        if self.sparsifier is None:
+            raw, back = self.values.encode_on_device(x)
+            return raw, back, None
+        if isinstance(self.sparsifier, Cyclic):
+            require_finite(x)  # dropped elements too: they ride the error feedback
+            kept = kept_on_device(self.sparsifier.select(place, x.numel()), x.numel(), x.device)
+        else:
+            kept = self.sparsifier.select(x)
+        raw, kept_back = self.values.encode_on_device(x[kept])
+        back = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
+        back[kept] = kept_back
+        return raw, back, kept if isinstance(self.sparsifier, TopK) else None
+
+    def _device_roundtrip(self, x: torch.Tensor, place: Place | None) -> tuple[bytes, torch.Tensor]:
+        raw, back, kept = self.device_stage(x, place)
+        host = host_copy(raw)  # codes and steps: the only bytes from the device but top-k's indices
+        prefix = b""
+        if isinstance(self.sparsifier, Cyclic):
+            assert place is not None  # select() refused a missing place
+            prefix = self.sparsifier.prefix(place)
+        elif kept is not None:  # Elias-Fano over int64 indices on the host: k x 8 bytes cross
+            host = torch.cat([indices.encode(kept.cpu(), x.numel()), host])
+        return self._seal(host, x.numel(), prefix), back
 
     def decode(self, data: bytes, numel: int, place: Place | None = None) -> torch.Tensor:
         """The fp32 tensor of ``numel`` elements in ``data``; CodecError on any inconsistency."""
@@ -249,10 +304,20 @@ class Pipeline:
         nibbles.join(hi, body[head : head + half], raw[head:])
         return raw
 
-    def roundtrip(self, x: torch.Tensor, place: Place | None = None) -> tuple[bytes, torch.Tensor]:
-        """Encode, and the exact tensor every receiver will decode from those bytes."""
-        data = self.encode(x, place)
-        return data, self.decode(data, x.numel(), place)
+    def roundtrip(
+        self, x: torch.Tensor, place: Place | None = None, *, on_device: bool | None = None
+    ) -> tuple[bytes, torch.Tensor]:
+        """Encode, and the exact tensor every receiver will decode from those bytes, on ``x``'s device.
+
+        On an accelerator a :attr:`device_ready` pipeline quantises there and copies only the raw
+        bytes to the host (through a pinned buffer), and the decoded values are computed there
+        from the codes; other pipelines copy fp32 to the host and the decoded values back.
+        """
+        x = x.detach().reshape(-1)
+        if self._codes_on_device(x, on_device):
+            return self._device_roundtrip(x, place)
+        data = self.encode(x, place, on_device=False)
+        return data, self.decode(data, x.numel(), place).to(x.device)
 
     def error_bound(self, x: torch.Tensor, place: Place | None = None) -> torch.Tensor:
         """Per-element bound on ``|x - roundtrip(x)|``: dropped elements are off by their size."""
@@ -266,6 +331,35 @@ class Pipeline:
         bound = x.abs()
         bound[kept] = self.values.error_bound(x[kept])
         return bound
+
+
+_pinned = threading.local()
+
+
+def kept_on_device(kept: torch.Tensor, numel: int, device: torch.device) -> torch.Tensor:
+    """A host-made sorted index set on ``device``, sent as a bit mask: an eighth of a byte per
+    element instead of eight bytes per kept one."""
+    mask = torch.zeros(numel, dtype=torch.bool)
+    mask[kept] = True
+    packed = pack_bits(mask, 1).to(device)
+    bits = packed[:, None] >> torch.arange(8, dtype=torch.uint8, device=device)
+    return torch.nonzero(bits.bitwise_and_(1).view(-1)[:numel]).view(-1)
+
+
+def host_copy(raw: torch.Tensor) -> torch.Tensor:
+    """``raw`` (uint8) on the host: from CUDA through a per-thread pinned buffer, valid until the
+    thread's next call (the caller frames it first); a CPU tensor as it is."""
+    if raw.device.type == "cpu":
+        return raw
+    if raw.device.type != "cuda":
+        return raw.cpu()
+    buf: torch.Tensor | None = getattr(_pinned, "buf", None)
+    if buf is None or buf.numel() < raw.numel():
+        buf = _pinned.buf = torch.empty(raw.numel(), dtype=torch.uint8, pin_memory=True)
+    host = buf[: raw.numel()]
+    host.copy_(raw, non_blocking=True)
+    torch.cuda.current_stream(raw.device).synchronize()
+    return host
 
 
 def _parse_stage(text: str) -> StageArgs:

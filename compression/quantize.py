@@ -32,14 +32,15 @@ SCRATCH_MAX = 1 << 21  # elements: one streamed chunk at most; larger inputs get
 _scratch = threading.local()
 
 
-def _scratch_fp32(numel: int) -> torch.Tensor:
+def _scratch_fp32(numel: int, device: torch.device) -> torch.Tensor:
     """A per-thread fp32 work buffer: a fresh multi-MB temporary per chunk costs more in page
-    faults than the arithmetic that fills it."""
-    if numel > SCRATCH_MAX:
-        return torch.empty(numel, dtype=torch.float32)
+    faults than the arithmetic that fills it (an accelerator's caching allocator already reuses)."""
+    if numel > SCRATCH_MAX or device.type != "cpu":
+        return torch.empty(numel, dtype=torch.float32, device=device)
     buf: torch.Tensor | None = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=torch.float32)  # no more than asked: ranks hold only their shard
+        # no more than asked: ranks hold only their shard
+        buf = torch.empty(numel, dtype=torch.float32, device=device)
         _scratch.buf = buf
     return buf[:numel]
 
@@ -107,7 +108,7 @@ class BlockwiseAbsmax:
             raise CodecError("tensor contains NaN or Inf")
         torch.div(absmax, half, out=step)
         inv = torch.reciprocal(step).nan_to_num_(posinf=0.0)  # an all-zero block: step 0, codes 0
-        y = torch.mul(rows, inv[:, None], out=_scratch_fp32(rows.numel()).view_as(rows))
+        y = torch.mul(rows, inv[:, None], out=_scratch_fp32(rows.numel(), rows.device).view_as(rows))
         if offset:
             y.add_(offset)
         if self.sr_seed is None:
@@ -115,6 +116,40 @@ class BlockwiseAbsmax:
         else:
             y.add_(self._noise(x, first, y.shape)).floor_().clamp_(-top if self.bits == 8 else 0, top)
         return y.view(-1)
+
+    @property
+    def device_ready(self) -> bool:
+        """Whether :meth:`encode_on_device` applies: stochastic rounding seeds its noise from a CRC
+        of the input's bytes on the host, so it stays a host codec."""
+        return self.sr_seed is None
+
+    def encode_on_device(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path on ``x``'s device: (the encoding as uint8, the values every receiver
+        decodes from it as fp32), both on that device; the same bytes as :meth:`encode`.
+
+        The decoded values come from the integer codes with the decoder's arithmetic (code minus
+        offset, times step), so they are bit-identical to decoding the bytes (+0.0 included).
+        """
+        if not self.device_ready:
+            raise CodecError(f"{self.spec}: stochastic rounding is coded on the host")
+        numel, nb, device = x.numel(), n_blocks(x.numel(), self.block), x.device
+        out = torch.empty(self.encoded_size(numel), dtype=torch.uint8, device=device)
+        back = torch.empty(numel, dtype=torch.float32, device=device)
+        step = out[: 4 * nb].view(torch.float32)
+        dtype = torch.int8 if self.bits == 8 else torch.uint8
+        codes = torch.empty(numel, dtype=dtype, device=device)
+        offset = _GRIDS[self.bits][1]
+        for first, rows in block_rows(x, self.block):
+            start, steps = first * self.block, step[first : first + rows.shape[0]]
+            dst = codes[start : start + rows.numel()]
+            dst.copy_(self._scale(x, first, rows, steps)[: dst.numel()])
+            values = back[start : start + dst.numel()].copy_(dst)
+            if offset:
+                values.sub_(offset)
+            width = min(self.block, values.numel())
+            values.view(-1, width).mul_(steps[: values.numel() // width, None])
+        out[4 * nb :].copy_(codes.view(torch.uint8) if self.bits == 8 else pack_bits(codes, self.bits))
+        return out, back
 
     def _noise(self, x: torch.Tensor, first: int, shape: torch.Size) -> torch.Tensor:
         seed = (self.sr_seed or 0) ^ zlib.crc32(x.contiguous().numpy().data) ^ first

@@ -105,8 +105,8 @@ class DeltaEncoding(Sequence[WireChunk]):
             offset, segment = self.segments[i]
             values = self.to_send[offset : offset + segment.numel]
             with torch.no_grad():
+                # on Δ's device: a GPU site quantises there and decodes there for the residual
                 payload, back = self.codec.roundtrip(values, Place(self.round, segment))
-                back = back.to(values.device)  # codecs decode on the host; Δ may live on a GPU
                 torch.sub(values, back, out=self.residual[offset : offset + segment.numel])
             chunk = self._done[i] = WireChunk(segment, payload)
         return chunk
