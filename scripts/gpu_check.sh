@@ -34,7 +34,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_dev
 fi
 
 echo "== 1. gpu-marked tests"
-timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/site 2>&1 | tee "$OUT/gpu-tests.txt"
+timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/site tests/compression/test_device_codec.py 2>&1 | tee "$OUT/gpu-tests.txt"
 echo "== 2. GPU site (bf16) against a CPU site"
 timeout 180 "$PY" scripts/gpu_check.py agree --device "$DEVICE" --precision bf16 "${AGREE[@]}" \
   | tee "$OUT/agree-bf16.json"
