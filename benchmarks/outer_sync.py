@@ -38,7 +38,9 @@ from geodiloco.wan import LinkConfig, ProxyThread
 
 SITE = "bench"
 # OuterSync's steps within one sync, timed from here by wrapping its methods (no library change):
-# encode Δ (with error feedback), push + wait for the commit + pull, decode and apply, hash.
+# Δ with its error-feedback compensation ("encode"; the chunks themselves are compressed as the
+# push stream sends them, inside "exchange"), push + wait for the commit + pull, decode and
+# apply, hash.
 PHASES = {"encode": "_encode_delta", "exchange": "_exchange", "apply": "_apply", "hash": "digest"}
 
 
