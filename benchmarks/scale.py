@@ -74,6 +74,10 @@ class FlatModel(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         self.flat = nn.Parameter(torch.randn(numel, generator=gen) * 0.02)
 
+    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
+        """A loss for the coordinator's dry step (workload.loss = model loss); nothing trains."""
+        return self.flat[:1].square().sum()
+
 
 def build_flat_model(cfg: RunConfig) -> nn.Module:
     """The benchmark's model: one flat parameter of ``workload.options.params`` elements."""
@@ -85,6 +89,7 @@ def run_config(params: int, sites: int, rounds: int) -> RunConfig:
         {
             "run_id": "scale-bench",
             "sites": [f"site-{i}" for i in range(sites)],
+            "min_sites": sites,  # every round is measured with every site in it
             "rounds": rounds + 100,  # never finished: the restart below must replay, as after a crash
             "round_timeout_s": 3600.0,
             "heartbeat_interval_s": 1.0,
@@ -93,7 +98,11 @@ def run_config(params: int, sites: int, rounds: int) -> RunConfig:
             "inner": {"steps_per_round": 1},
             "outer": {"optimizer": "nesterov", "lr": 0.7, "momentum": 0.9},
             "compression": {"uplink": CODEC, "downlink": CODEC, "chunk_elements": CHUNK},
-            "workload": {"model": "scale:build_flat_model", "options": {"params": params}},
+            "workload": {
+                "model": "scale:build_flat_model",
+                "loss": "geodiloco.workload.loss:build_model_loss",
+                "options": {"params": params},
+            },
         }
     )
 
