@@ -115,7 +115,8 @@ class CoordinatorThread:
     def stop(self) -> None:
         if self.running is not None:
             self.loop.call_soon_threadsafe(self.running.request_stop)
-        self._thread.join(10)
+        # a loaded machine takes a while to settle and stop: never leak the server into the next test
+        self._thread.join(60)
 
     def __enter__(self) -> CoordinatorThread:
         return self

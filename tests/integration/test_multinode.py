@@ -41,7 +41,10 @@ def site_args(name: str, target: str, *extra: str) -> list[str]:
 
 
 def test_two_node_site_agrees_fails_as_a_whole_and_resumes_on_one_node(tmp_path: Path) -> None:
-    cfg = tiny_config(rounds=ROUNDS, sites=SITES, lease_s=4.0, inner__steps_per_round=16)
+    # min_sites = both: the run waits for the multi-node site to come back rather than finishing without it
+    cfg = tiny_config(
+        rounds=ROUNDS, sites=SITES, min_sites=len(SITES), lease_s=4.0, inner__steps_per_round=16
+    )
     coordinator, target = start_coordinator_process(cfg, tmp_path)
     ckpt, rdzv = tmp_path / "ckpt", f"127.0.0.1:{free_port()}"
     multi = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]

@@ -34,7 +34,7 @@ def ts_site(target: str, name: str, pki: PkiDir, log: Path) -> subprocess.Popen[
 
 
 def test_typescript_and_python_sites_agree_every_round(tmp_path: Path) -> None:
-    cfg = tiny_config(sites=["site-py", "site-ts"], rounds=3, compression__chunk_elements=4096)
+    cfg = tiny_config(sites=["site-py", "site-ts"], min_sites=2, rounds=3, compression__chunk_elements=4096)
     pki = PkiDir(tmp_path / "pki")
     pki.init()
     security = ServerSecurity(
