@@ -23,6 +23,7 @@ from geodiloco.compression import CodecError, EncodedChunk
 from geodiloco.coordinator.errors import (
     CoordinatorError,
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     LateContribution,
     ResourceExhausted,
@@ -45,6 +46,10 @@ log = logging.getLogger("geodiloco.coordinator")
 def _finite_or_zero(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
+
+NOT_SEALING = (
+    "this run does not seal payloads (the coordinator runs --insecure): send key_id 0 and no nonce"
+)
 
 REFUSALS = (CoordinatorError, CodecError, SealError, MalformedRequest, Denied)
 
@@ -258,8 +263,11 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         )
 
     def _open(self, chunk: Any) -> bytes:
-        """A chunk's payload, authenticated and opened with its site's key (worker thread)."""
+        """A chunk's payload, authenticated and opened with its site's key (worker thread).
+        A sealed chunk to a run that does not seal is named as such, not left to fail decoding."""
         if self.security.keyring is None:
+            if chunk.header.nonce or chunk.header.key_id:
+                raise FailedPrecondition(NOT_SEALING)
             return bytes(chunk.payload)
         return open_delta(self.security.keyring.site(chunk.header.site).up, chunk)
 
