@@ -47,9 +47,7 @@ def _finite_or_zero(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
 
-NOT_SEALING = (
-    "this run does not seal payloads (the coordinator runs --insecure): send key_id 0 and no nonce"
-)
+NOT_SEALING = "this run does not seal payloads (the coordinator runs --insecure): send key_id 0 and no nonce"
 
 REFUSALS = (CoordinatorError, CodecError, SealError, MalformedRequest, Denied)
 
