@@ -421,11 +421,14 @@ class RoundController:
     # -- closing a round --------------------------------------------------------------------
 
     def _ready_to_close(self, now: float) -> bool:
+        """Quorum, and everyone waited for in or the deadline passed. The run's first round waits
+        for every site in ``sites``, joined or not: at start-up the first site to join would
+        otherwise commit rounds alone, at the default quorum, before the others have joined."""
         contributed = set(self.mean.contributors)
         if self.finished or len(contributed) < self.cfg.quorum:
             return False
-        everyone_in = self.live_sites() <= contributed
-        return everyone_in or self.overdue(now)
+        waited_for = self.live_sites() if self.history else set(self.sites)
+        return waited_for <= contributed or self.overdue(now)
 
     def overdue(self, now: float) -> bool:
         """Past the round's deadline: ``round_timeout_s`` after its first contribution arrived.

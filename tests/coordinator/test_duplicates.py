@@ -108,7 +108,7 @@ def test_only_an_identical_repeat_is_a_duplicate() -> None:
 
 
 def test_a_repeated_part_is_compared_before_the_contribution_completes() -> None:
-    cfg = tiny_config(min_sites=1, round_timeout_s=60.0, compression__uplink=CODEC)
+    cfg = tiny_config(min_sites=1, sites=["site-a"], round_timeout_s=60.0, compression__uplink=CODEC)
     with CoordinatorThread(cfg) as c:
         n = c.controller.num_params
         a = OuterSyncClient(c.target, "site-a")
