@@ -66,7 +66,7 @@ class Staged:
     received: set[int] = field(default_factory=set)
     streaming: dict[int, int] = field(default_factory=dict)  # part -> attempt
     sumsq: dict[int, float] = field(default_factory=dict)  # per part
-    digests: dict[int, bytes] = field(default_factory=dict)  # per received part: push_digest
+    digests: dict[int, bytes] = field(default_factory=dict)  # per received part (PartStream.digest)
     claimed: int = 0
     attempts: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
