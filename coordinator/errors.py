@@ -24,6 +24,12 @@ class LateContribution(FailedPrecondition):
     """A push for a round that already closed without it (a straggler)."""
 
 
+class AlreadyAccepted(CoordinatorError):
+    """A repeat of a push already accepted for a round, with other content: refused, not a retry."""
+
+    status = "ALREADY_EXISTS"
+
+
 class Unavailable(CoordinatorError):
     """Try again shortly (e.g. the same part of a push is still being received)."""
 

@@ -14,6 +14,7 @@ round's sum, by the round controller: a broken push never touches the mean.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import tempfile
@@ -31,7 +32,7 @@ import torch
 from geodiloco.compression import Pipeline, Place
 from geodiloco.config import LimitsConfig
 from geodiloco.coordinator.aggregator import sum_of_squares
-from geodiloco.coordinator.errors import InvalidArgument, Unavailable
+from geodiloco.coordinator.errors import AlreadyAccepted, InvalidArgument, Unavailable
 from geodiloco.segment import Segment, segment_of
 from geodiloco.wire import ranges_from_proto
 from geodiloco.workload.data import DataRange
@@ -65,6 +66,7 @@ class Staged:
     received: set[int] = field(default_factory=set)
     streaming: dict[int, int] = field(default_factory=dict)  # part -> attempt
     sumsq: dict[int, float] = field(default_factory=dict)  # per part
+    digests: dict[int, bytes] = field(default_factory=dict)  # per received part (PartStream.digest)
     claimed: int = 0
     attempts: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -108,9 +110,10 @@ class Staged:
             self.claimed += segment.numel
             self.sumsq[part] += sumsq
 
-    def finish(self, part: int) -> None:
+    def finish(self, part: int, digest: bytes) -> None:
         self.streaming.pop(part)
         self.received.add(part)
+        self.digests[part] = digest
 
     def abandon(self, part: int) -> None:
         """A part's stream failed: forget what it staged, so its retry starts clean."""
@@ -178,9 +181,28 @@ class StagedContribution:
         self.staged = staged
         self.pool = pool
         self.sumsq = staged.total_sumsq
+        self.digest = tuple(staged.digests[p] for p in range(staged.parts))  # one per part
 
     def fold_into(self, total: torch.Tensor, weight: float) -> None:
         self.staged.fold_into(total, weight, self.pool)
+
+
+def chunk_digest(chunk: Any, opened: bytes) -> bytes:
+    """SHA-256 of one chunk as opened: every field but the nonce (random per sealing) and the
+    sealed payload, then the opened payload. A retry of the same push digests the same."""
+    meta = type(chunk)(
+        header=chunk.header,
+        tokens=chunk.tokens,
+        total_chunks=chunk.total_chunks,
+        data=chunk.data,
+        part=chunk.part,
+        parts=chunk.parts,
+    )
+    meta.header.ClearField("nonce")
+    h = hashlib.sha256(meta.SerializeToString(deterministic=True))
+    h.update(len(opened).to_bytes(8, "little"))
+    h.update(opened)
+    return h.digest()
 
 
 def _intervals(segments: list[Segment]) -> tuple[np.ndarray, np.ndarray]:
@@ -337,7 +359,10 @@ class Intake:
 
 
 class PartStream:
-    """One ``PushDelta`` stream: one part of a contribution, or a duplicate of one received."""
+    """One ``PushDelta`` stream: one part of a contribution, or a repeat of one received.
+
+    Every chunk is opened and digested, a repeat's too: a repeat is a duplicate only when its
+    digest equals the accepted part's (see :meth:`check_repeat`)."""
 
     def __init__(self, intake: Intake, first: Any, opened: bytes) -> None:
         self.intake = intake
@@ -351,13 +376,37 @@ class PartStream:
         self.covered = 0
         self.payload_bytes = 0
         self.pending: deque[asyncio.Future[None]] = deque()
+        self.chunk_digests: dict[int, bytes] = {}
+        self.repeat_of: bytes | None = None  # the received part's digest, for a repeat of it
 
     def open(self) -> bool:
-        """Join (or start) the contribution's staging; False when this part is a duplicate."""
+        """Join (or start) the contribution's staging; False when this part is a repeat."""
         self.staged, self.attempt = self.intake.staging_for(self.first)
         if self.attempt is None:
+            self.repeat_of = self.staged.digests.get(self.first.part)
             self.staged = None
         return self.staged is not None
+
+    @property
+    def digest(self) -> bytes:
+        """The push's digest: of its chunks' digests, in order (complete once drained)."""
+        h = hashlib.sha256()
+        for seq in range(self.index):
+            h.update(self.chunk_digests[seq])
+        return h.digest()
+
+    def check_repeat(self, accepted: tuple[bytes, ...] | None) -> None:
+        """A repeat is a duplicate only when identical to the part received or ``accepted`` (the
+        contribution's part digests); without either to compare, it is taken as one."""
+        part = self.first.part
+        expected = self.repeat_of
+        if expected is None and accepted is not None:
+            expected = accepted[part] if part < len(accepted) else b""
+        if expected is not None and self.digest != expected:
+            raise AlreadyAccepted(
+                f"a different push for round {self.round} (part {part}) was already accepted from "
+                f"site {self.site!r}; this one is refused and changed nothing"
+            )
 
     async def add(self, chunk: Any) -> None:
         """Check one chunk now; open, decode and stage it in a worker thread."""
@@ -365,8 +414,6 @@ class PartStream:
         self.index += 1
         self.covered += segment.numel
         self.payload_bytes += len(chunk.payload)
-        if self.staged is None:
-            return
         payload, self._first_payload = self._first_payload, None
         loop = asyncio.get_running_loop()
         work = loop.run_in_executor(self.intake.pool, self._process, chunk, payload, segment)
@@ -375,10 +422,13 @@ class PartStream:
             await self.pending.popleft()
 
     def _process(self, chunk: Any, opened: bytes | None, segment: Segment) -> None:
-        assert self.staged is not None and self.attempt is not None
+        staged, attempt = self.staged, self.attempt
         payload = opened if opened is not None else self.intake.opener(chunk)
+        self.chunk_digests[chunk.header.seq] = chunk_digest(chunk, payload)
+        if staged is None or attempt is None:  # a repeat: compared, never decoded or kept
+            return
         sumsq = self.intake.decode_checked(payload, self.round, segment, chunk.header.seq)
-        self.staged.stage(self.first.part, self.attempt, segment, payload, sumsq, self.intake.num_params)
+        staged.stage(self.first.part, attempt, segment, payload, sumsq, self.intake.num_params)
 
     async def drain(self) -> None:
         while self.pending:
@@ -390,7 +440,7 @@ class PartStream:
             raise InvalidArgument(f"push part ended after {self.index} of {self.first.total_chunks} chunks")
         if self.staged is None:
             return None
-        self.staged.finish(self.first.part)
+        self.staged.finish(self.first.part, self.digest)
         staged, self.staged = self.staged, None
         return staged if staged.complete else None
 

@@ -49,6 +49,7 @@ log = logging.getLogger("geodiloco.coordinator")
 FULL_STATE_CODEC = "fp32|zstd:1"
 ROUND_LOG = "rounds.jsonl"
 KEEP_UPDATES = 4  # committed updates kept for sites that fall a round or two behind
+KEEP_DIGESTS = 4  # closed rounds whose accepted pushes' digests are kept, to tell a retry
 
 
 @dataclass(slots=True)
@@ -165,6 +166,7 @@ class RoundController:
         self._commit_lock = asyncio.Lock()
         self._logged: int | None = None  # lines in the round log, once read
         self._round_tokens: dict[str, int] = {}
+        self.push_digests: dict[tuple[str, int], tuple[bytes, ...]] = {}  # (site, round) -> per part
         self.disk_bytes = 0  # written by the last commit
         self.snapshot_round: int | None = None  # the round of the snapshot on disk
         if run_dir is not None:
@@ -353,12 +355,14 @@ class RoundController:
         tokens: int,
         delta: torch.Tensor | Contribution,
         data: list[DataRange] | None = None,
+        digest: tuple[bytes, ...] | None = None,
     ) -> bool:
         """Fold one site's whole pseudo-gradient into the round. False for an idempotent duplicate.
 
         ``delta`` is a decoded vector (tests, tools) or a staged contribution (pushes), whose
         values were checked as they were decoded. ``data`` is what it trained on; None means
-        what the ledger reserved."""
+        what the ledger reserved. ``digest`` (of each part as pushed) is kept for the current
+        and ``KEEP_DIGESTS`` closed rounds, so that only an identical repeat is a duplicate."""
         if not 0 < tokens <= self.cfg.limits.max_tokens:
             raise InvalidArgument(f"tokens must be in [1, {self.cfg.limits.max_tokens}] (limits.max_tokens)")
         if isinstance(delta, torch.Tensor):
@@ -379,9 +383,16 @@ class RoundController:
             record = self.sites[name]
             record.last_round, record.accepted = round_, record.accepted + 1
             record.tokens += tokens
+            if digest is not None:
+                self.push_digests[(name, round_)] = digest
             log.info("round %d: accepted %s (%d tokens)", round_, name, tokens)
         await self._maybe_close()
         return True
+
+    def accepted_digest(self, name: str, round_: int) -> tuple[bytes, ...] | None:
+        """The part digests of ``name``'s accepted push for ``round_``; None when not kept
+        (pushed through :meth:`contribute` without one, too old, or before a restart)."""
+        return self.push_digests.get((name, round_))
 
     def _check_values(self, delta: Contribution | torch.Tensor) -> None:
         """Refuse NaN/Inf and norms no honest site produces (a poisoning or a broken site)."""
@@ -410,11 +421,14 @@ class RoundController:
     # -- closing a round --------------------------------------------------------------------
 
     def _ready_to_close(self, now: float) -> bool:
+        """Quorum, and everyone waited for in or the deadline passed. The run's first round waits
+        for every site in ``sites``, joined or not: at start-up the first site to join would
+        otherwise commit rounds alone, at the default quorum, before the others have joined."""
         contributed = set(self.mean.contributors)
         if self.finished or len(contributed) < self.cfg.quorum:
             return False
-        everyone_in = self.live_sites() <= contributed
-        return everyone_in or self.overdue(now)
+        waited_for = self.live_sites() if self.history else set(self.sites)
+        return waited_for <= contributed or self.overdue(now)
 
     def overdue(self, now: float) -> bool:
         """Past the round's deadline: ``round_timeout_s`` after its first contribution arrived.
@@ -457,6 +471,8 @@ class RoundController:
         )
         self.history.append(record)
         self.round += 1
+        for key in [k for k in self.push_digests if k[1] < self.round - KEEP_DIGESTS]:
+            del self.push_digests[key]
         if not self.finished:
             self._reserve_next_round()
         self.round_opened = time.monotonic()

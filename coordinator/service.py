@@ -23,6 +23,7 @@ from geodiloco.compression import CodecError, EncodedChunk
 from geodiloco.coordinator.errors import (
     CoordinatorError,
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     LateContribution,
     ResourceExhausted,
@@ -45,6 +46,8 @@ log = logging.getLogger("geodiloco.coordinator")
 def _finite_or_zero(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
+
+NOT_SEALING = "this run does not seal payloads (the coordinator runs --insecure): send key_id 0 and no nonce"
 
 REFUSALS = (CoordinatorError, CodecError, SealError, MalformedRequest, Denied)
 
@@ -258,8 +261,11 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         )
 
     def _open(self, chunk: Any) -> bytes:
-        """A chunk's payload, authenticated and opened with its site's key (worker thread)."""
+        """A chunk's payload, authenticated and opened with its site's key (worker thread).
+        A sealed chunk to a run that does not seal is named as such, not left to fail decoding."""
         if self.security.keyring is None:
+            if chunk.header.nonce or chunk.header.key_id:
+                raise FailedPrecondition(NOT_SEALING)
             return bytes(chunk.payload)
         return open_delta(self.security.keyring.site(chunk.header.site).up, chunk)
 
@@ -274,25 +280,26 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         return stream
 
     async def _complete(self, stream: PartStream) -> str:
-        """A part ended whole: "part" (more to come), "duplicate", or "accepted" once its
-        contribution is complete, tiles the model and is folded by the controller."""
+        """A part ended whole: "part" (more to come), "duplicate" (an identical repeat; a
+        different one is refused), or "accepted" once its contribution is complete, tiles the
+        model and is folded by the controller."""
         staged = stream.end()
-        if staged is None:
-            return "part" if stream.attempt is not None else "duplicate"
-        try:
-            staged.check_covered(self.c.num_params)
-            h = stream.first.header
-            accepted = await self.c.contribute(
-                h.site,
-                h.run_id,
-                h.round,
-                staged.tokens,
-                StagedContribution(staged, self.intake.pool),
-                staged.data,
-            )
-        finally:
-            self.intake.release(stream.site, staged)
-        return "accepted" if accepted else "duplicate"
+        if staged is None and stream.attempt is not None:
+            return "part"
+        if staged is not None:
+            try:
+                staged.check_covered(self.c.num_params)
+                h = stream.first.header
+                contribution = StagedContribution(staged, self.intake.pool)
+                accepted = await self.c.contribute(
+                    h.site, h.run_id, h.round, staged.tokens, contribution, staged.data, contribution.digest
+                )
+            finally:
+                self.intake.release(stream.site, staged)
+            if accepted:
+                return "accepted"
+        stream.check_repeat(self.c.accepted_digest(stream.site, stream.round))
+        return "duplicate"
 
     async def PullUpdate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         kind = request.kind

@@ -86,7 +86,7 @@ def limited_config(**overrides: Any) -> RunConfig:
 
 
 def test_every_declared_count_is_refused_with_the_limit_named() -> None:
-    with CoordinatorThread(limited_config()) as coordinator:
+    with CoordinatorThread(limited_config(sites=["site-a"])) as coordinator:
         n = coordinator.controller.num_params
         a = OuterSyncClient(coordinator.target, "site-a")
         a.join()
@@ -131,6 +131,7 @@ def test_every_declared_count_is_refused_with_the_limit_named() -> None:
 def test_a_site_of_4096_ranks_pushes_one_part_per_rank() -> None:
     parts = 4096
     cfg = tiny_config(
+        sites=["site-a"],
         min_sites=1,
         round_timeout_s=60.0,
         inner__steps_per_round=1,

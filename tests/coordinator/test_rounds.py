@@ -88,12 +88,14 @@ async def test_duplicate_push_changes_nothing() -> None:
 async def test_lost_site_stops_being_waited_for() -> None:
     c = controller(min_sites=1, round_timeout_s=60.0, lease_s=0.6, heartbeat_interval_s=0.1)
     await join_all(c)
-    await c.contribute("site-a", "", 0, 100, torch.ones(N))
+    for name in ("site-a", "site-b"):  # the first round waits for every site
+        await c.contribute(name, "", 0, 100, torch.ones(N))
+    await c.contribute("site-a", "", 1, 100, torch.ones(N))
     await asyncio.sleep(0.7)
     c.member("site-a", "")  # site-a is alive; site-b went silent mid-round
     await c.tick()
     assert c.sites["site-b"].state == "lost"
-    assert c.round == 1 and c.history[0].contributors == ["site-a"]
+    assert c.round == 2 and c.history[1].contributors == ["site-a"]
     with pytest.raises(FailedPrecondition, match="has not joined"):
         c.member("site-b", "")
 

@@ -172,3 +172,33 @@ def test_push_stream_broken_midway_leaves_no_trace(coordinator: CoordinatorThrea
     assert not coordinator.controller.mean.contributors and coordinator.controller.round == 0
     ack = outer_sync_pb2_grpc.OuterSyncStub(a.channel).PushDelta(iter(msgs), timeout=10)
     assert not ack.duplicate  # the whole push, resent, is accepted once
+
+
+@pytest.mark.parametrize(
+    ("nonce", "key_id"),
+    [(b"\x01" * 12, 0x1234), (b"\x01" * 12, 0), (b"", 7)],
+    ids=["sealed", "nonce", "key-id"],
+)
+def test_sealed_chunk_to_an_insecure_run_is_named(
+    coordinator: CoordinatorThread, nonce: bytes, key_id: int
+) -> None:
+    n = coordinator.controller.num_params
+    a = OuterSyncClient(coordinator.target, "site-a")
+    a.join()
+    msgs = push_messages(a, 0, torch.randn(n) * 1e-2, chunk_elements=1000)
+    last = msgs[-1].header  # a later chunk: each one is checked, not only the first
+    last.nonce, last.key_id = nonce, key_id
+    stub = outer_sync_pb2_grpc.OuterSyncStub(a.channel)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushDelta(iter(msgs), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "this run does not seal payloads (the coordinator runs --insecure)" in err.value.details()
+    assert "key_id 0 and no nonce" in err.value.details()
+    assert coordinator.controller.sites["site-a"].accepted == 0
+    msgs[0].header.nonce = b"\x02" * 12  # and on the first chunk, before anything is staged
+    last.nonce, last.key_id = b"", 0
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushDelta(iter(msgs), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    msgs[0].header.nonce = b""
+    assert not stub.PushDelta(iter(msgs), timeout=10).duplicate  # the clean push still goes in

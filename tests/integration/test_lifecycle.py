@@ -29,8 +29,8 @@ def _rounds_done(port: int) -> float:
 
 
 def test_sigterm_makes_a_site_leave_instead_of_timing_out(tmp_path: Path) -> None:
-    # a long run that site-a alone may carry (min_sites=1), so it is mid-run when stopped
-    cfg = tiny_config(rounds=10_000, min_sites=1, lease_s=600.0)
+    # a long run of site-a alone, so it is mid-run when stopped
+    cfg = tiny_config(rounds=10_000, sites=["site-a"], lease_s=600.0)
     metrics_port = free_port()
     with CoordinatorThread(cfg) as coordinator:
         log = tmp_path / "site-a.log"
@@ -70,8 +70,10 @@ def test_sigterm_makes_a_site_leave_instead_of_timing_out(tmp_path: Path) -> Non
 
 
 def test_sigterm_checkpoints_mid_round_and_the_site_resumes_there(tmp_path: Path) -> None:
-    # site-a alone carries the run (min_sites=1); while it is away the round stays open
-    cfg = tiny_config(rounds=10_000, min_sites=1, lease_s=600.0, inner__steps_per_round=40, inner__lr=5e-4)
+    # site-a alone carries the run; while it is away the round stays open
+    cfg = tiny_config(
+        rounds=10_000, sites=["site-a"], lease_s=600.0, inner__steps_per_round=40, inner__lr=5e-4
+    )
     ckpt = tmp_path / "ckpt"
     with CoordinatorThread(cfg) as coordinator:
         base = ["site", "run", "--name", "site-a", "--coordinator", coordinator.target, "--insecure"]

@@ -54,7 +54,8 @@ def test_sites_apply_identical_updates_through_the_api() -> None:
 
 
 def test_late_site_catches_up_from_full_state() -> None:
-    cfg = tiny_config(rounds=3, min_sites=1, sites=["site-a", "site-b"])
+    # the first round waits for site-b until its deadline; later ones only for live sites
+    cfg = tiny_config(rounds=3, min_sites=1, sites=["site-a", "site-b"], round_timeout_s=1.0)
     with CoordinatorThread(cfg) as coordinator:
         results: dict[str, list[str]] = {}
         train_site(coordinator.target, "site-a", results)  # runs the whole run alone
