@@ -38,9 +38,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
 import grpc
 import torch
@@ -50,22 +50,12 @@ from geodiloco.compression import parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.params import Checksum
 from geodiloco.segment import Segment
-from geodiloco.site.client import Heartbeater, OuterSyncClient, WireChunk
+from geodiloco.site.client import Heartbeater, LazyChunks, OuterSyncClient, WireChunk
 
 HERE = Path(__file__).resolve().parent
 CODEC = "q8|zstd:1"
 CHUNK = 1 << 20
 PROBE_S = 0.05
-KEYS = (
-    "params",
-    "sites",
-    "overhead_s",
-    "floor_s",
-    "coordinator_peak_rss_bytes",
-    "max_loop_stall_ms",
-    "disk_bytes_per_round",
-    "restart_to_serving_s",
-)
 
 
 class FlatModel(nn.Module):
@@ -110,7 +100,7 @@ def run_config(params: int, sites: int, rounds: int) -> RunConfig:
 # -- synthetic site ---------------------------------------------------------------------------
 
 
-class SeededDelta(Sequence[WireChunk]):
+class SeededDelta(LazyChunks):
     """A round's pseudo-gradient, encoded chunk by chunk when the push stream takes it."""
 
     def __init__(self, numel: int, base: torch.Tensor, round_: int) -> None:
@@ -120,22 +110,11 @@ class SeededDelta(Sequence[WireChunk]):
     def __len__(self) -> int:
         return -(-self.numel // CHUNK)
 
-    @overload
-    def __getitem__(self, i: int) -> WireChunk: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[WireChunk]: ...
-    def __getitem__(self, i: int | slice) -> WireChunk | Sequence[WireChunk]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if not 0 <= i < len(self):
-            raise IndexError(i)
+    def chunk(self, i: int) -> WireChunk:
         start = i * CHUNK
         n = min(CHUNK, self.numel - start)
         values = self.base[:n] * (1e-3 * (1 + 0.1 * self.round + 0.01 * i))
         return WireChunk(Segment(start, 1, n, n), self.codec.encode(values))
-
-    def __iter__(self) -> Iterator[WireChunk]:
-        return (self[i] for i in range(len(self)))
 
 
 def site_main(args: argparse.Namespace) -> None:

@@ -25,11 +25,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from geodiloco.builders import build_data
 from geodiloco.config import RunConfig, load_config
 from geodiloco.workload.data import DataRange
+from geodiloco.workload.hf import tiny_llama
 from geodiloco.workload.loss import cross_entropy
 from geodiloco.workload.steps import evaluate_batches
 
@@ -39,17 +40,7 @@ SEQ_LEN = 64
 
 def pretrain(out: Path, steps: int) -> None:
     """A 0.2M-parameter Llama over bytes, trained ``steps`` steps on the stdlib's sources."""
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ_LEN,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(0, hidden=64, intermediate=192, positions=SEQ_LEN)
     stdlib = load_config(None, [f"model.seq_len={SEQ_LEN}", "data.max_bytes=2000000", "data.batch_size=16"])
     data = build_data(stdlib)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -12,9 +12,10 @@ import logging
 import random
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import grpc
 import torch
@@ -88,6 +89,31 @@ class WireChunk:
 
     segment: Segment
     payload: bytes
+
+
+class LazyChunks(Sequence[WireChunk]):
+    """A push's chunks, each made by :meth:`chunk` only when the push stream takes it, so that
+    chunk i+1 is encoded while chunk i is on the wire."""
+
+    @abstractmethod
+    def chunk(self, i: int) -> WireChunk:
+        """Chunk ``i`` (0 <= i < len)."""
+
+    @overload
+    def __getitem__(self, i: int) -> WireChunk: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[WireChunk]: ...
+    def __getitem__(self, i: int | slice) -> WireChunk | Sequence[WireChunk]:
+        if isinstance(i, slice):
+            return [self.chunk(j) for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.chunk(i)
+
+    def __iter__(self) -> Iterator[WireChunk]:
+        return (self.chunk(i) for i in range(len(self)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,10 +22,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -39,6 +39,7 @@ from geodiloco.segment import Segment
 from geodiloco.site.client import (
     Heartbeater,
     JoinInfo,
+    LazyChunks,
     OuterSyncClient,
     PulledPart,
     WireChunk,
@@ -71,7 +72,7 @@ def _outcome(exc: Exception) -> Outcome:
     return Outcome.FAILED
 
 
-class DeltaEncoding(Sequence[WireChunk]):
+class DeltaEncoding(LazyChunks):
     """A rank's pseudo-gradient, compressed chunk by chunk when the push stream takes it: chunk
     i+1 is encoded while chunk i is on the wire, and each chunk's error-feedback residual is kept
     as it is encoded (no model-sized decoded copy). Encoded chunks are kept for a retried push."""
@@ -91,15 +92,7 @@ class DeltaEncoding(Sequence[WireChunk]):
     def __len__(self) -> int:
         return len(self.segments)
 
-    @overload
-    def __getitem__(self, i: int) -> WireChunk: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[WireChunk]: ...
-    def __getitem__(self, i: int | slice) -> WireChunk | Sequence[WireChunk]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
+    def chunk(self, i: int) -> WireChunk:
         chunk = self._done.get(i)
         if chunk is None:
             offset, segment = self.segments[i]
@@ -110,9 +103,6 @@ class DeltaEncoding(Sequence[WireChunk]):
                 torch.sub(values, back, out=self.residual[offset : offset + segment.numel])
             chunk = self._done[i] = WireChunk(segment, payload)
         return chunk
-
-    def __iter__(self) -> Iterator[WireChunk]:
-        return (self[i] for i in range(len(self)))
 
     def finish(self) -> None:
         """Encode what no push took, so the residual covers the whole Δ."""

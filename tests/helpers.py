@@ -153,6 +153,20 @@ def start_coordinator_process(cfg: RunConfig, workdir: Path) -> tuple[subprocess
     return proc, f"127.0.0.1:{port_file.read_text()}"
 
 
+def wait_for_checkpoint(
+    ckpt: Path, round_: int, watched: dict[subprocess.Popen[bytes], Path], timeout_s: float = 300
+) -> None:
+    """Until a site's checkpoint of ``round_`` is in ``ckpt``; a watched site that ends first,
+    or the timeout (the first log's tail), fails the test."""
+    deadline = time.monotonic() + timeout_s
+    first_log = next(iter(watched.values()))
+    while not list(ckpt.glob(f"round-{round_:06d}-*/site.json")):
+        assert time.monotonic() < deadline, first_log.read_text()[-3000:]
+        for proc, log in watched.items():
+            assert proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -13,7 +13,6 @@ rejoins and finishes. Every round, both sites' hashes agree with the coordinator
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from helpers import (
     spawn_geodiloco,
     start_coordinator_process,
     tiny_config,
+    wait_for_checkpoint,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -61,12 +61,7 @@ def test_two_node_site_agrees_fails_as_a_whole_and_resumes_on_one_node(tmp_path:
         "node1": spawn_geodiloco(site_args("site-multi", target, *node(1), *layout, *multi), logs["node1"]),
     }
     try:
-        deadline = time.monotonic() + 300
-        while not list(ckpt.glob("round-000002-*/site.json")):
-            assert time.monotonic() < deadline, logs["node0"].read_text()[-3000:]
-            for name in ("node0", "node1"):
-                assert procs[name].poll() is None, logs[name].read_text()[-3000:]
-            time.sleep(0.2)
+        wait_for_checkpoint(ckpt, 2, {procs[n]: logs[n] for n in ("node0", "node1")})
         both = logs["node0"].read_text() + logs["node1"].read_text()
         assert "layout: fsdp+tp over 4 ranks" in both  # one group of both nodes' ranks
         kill_tree(procs["node1"])  # the machine of node 1 dies

@@ -16,6 +16,7 @@ from geodiloco import cli
 from geodiloco.config import load_config
 from geodiloco.export import model_with, read_committed
 from geodiloco.status import fetch_status, request_shutdown
+from geodiloco.workload.hf import tiny_llama
 from helpers import kill_tree, round_log, spawn_geodiloco, start_coordinator_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -27,17 +28,7 @@ def test_a_hf_llama_trains_at_a_ddp_and_an_fsdp_site_and_exports_to_the_same_log
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(5)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "pre")
+    tiny_llama(5).save_pretrained(tmp_path / "pre")
     cfg = load_config(
         None,
         [

@@ -19,6 +19,7 @@ from geodiloco.coordinator.server import data_shard_sizes, initial_parameters
 from geodiloco.export import export, model_with
 from geodiloco.params import flatten_parameters
 from geodiloco.workload.data import DataRange
+from geodiloco.workload.hf import tiny_llama
 from geodiloco.workload.steps import inner_step
 
 
@@ -29,18 +30,7 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def pretrained(path: Path, tie: bool = False) -> Path:
     """A tiny Llama saved as a user's pretrained model would be (random, seed 5)."""
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(5)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tiny_llama(5, tie=tie).save_pretrained(path)
     return path
 
 

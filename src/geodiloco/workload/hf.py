@@ -25,6 +25,8 @@ from torch import nn
 from geodiloco.config import ConfigError
 
 if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
+
     from geodiloco.config import RunConfig
 
 
@@ -76,3 +78,24 @@ def build_model(cfg: RunConfig) -> nn.Module:
             raise ConfigError(f"workload.options.hf_model: not a causal language model: {first}") from None
     model.train()
     return model
+
+
+def tiny_llama(
+    seed: int, hidden: int = 32, intermediate: int = 64, positions: int = 64, tie: bool = False
+) -> LlamaForCausalLM:
+    """A small random byte-vocabulary Llama (2 layers, 4 heads, 2 KV heads) made without a
+    download: the stand-in for a user's pretrained model in the tests and the example."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
