@@ -289,6 +289,15 @@ class Intake:
         self.staged: dict[tuple[str, int], Staged] = {}
         self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="intake")
 
+    def forget_site(self, site: str) -> None:
+        """A site that (re)joins trains its round over: the parts it staged of an unfinished push
+        go, so its new push is not mixed with (or refused against) the one it abandoned."""
+        for key in [k for k in self.staged if k[0] == site]:
+            with self.staged[key].lock:
+                if self.staged[key].streaming:  # a part still in flight ends or fails on its own
+                    continue
+            self.staged.pop(key).close()
+
     def drop_closed(self, current_round: int) -> None:
         """Forget contributions to rounds that closed without them."""
         for key in [k for k in self.staged if k[1] < current_round]:

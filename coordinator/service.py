@@ -142,6 +142,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         async def handle() -> Any:
             self._check_join_rate(context)
             record = await self.c.join(request.site, request.run_id, request.world_size)
+            self.intake.forget_site(request.site)  # a rejoined site pushes its round afresh
             if request.version and request.version != __version__:
                 log.warning(
                     "site %s runs geodiloco %s, coordinator %s", request.site, request.version, __version__

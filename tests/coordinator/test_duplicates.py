@@ -127,6 +127,30 @@ def test_a_repeated_part_is_compared_before_the_contribution_completes() -> None
         assert stub.PushDelta(iter(messages(a, 0, delta, parts=2)[1]), timeout=10).duplicate
 
 
+def test_a_rejoined_site_pushes_its_round_afresh() -> None:
+    """A site whose lease lapsed mid-push rejoins and trains the round again: the part it had
+    pushed before is forgotten, so the new push is neither refused nor mixed with the old one
+    (θ_1 is what the retrained push alone gives)."""
+    cfg = tiny_config(min_sites=1, sites=["site-a"], round_timeout_s=60.0, compression__uplink=CODEC)
+    thetas = []
+    for abandoned_first in (True, False):
+        with CoordinatorThread(cfg) as c:
+            n = c.controller.num_params
+            gen = torch.Generator().manual_seed(1)
+            first, retrained = torch.randn(n, generator=gen) * 1e-3, torch.randn(n, generator=gen) * 1e-3
+            a = OuterSyncClient(c.target, "site-a")
+            a.join()
+            stub = outer_sync_pb2_grpc.OuterSyncStub(a.channel)
+            if abandoned_first:
+                assert not stub.PushDelta(iter(messages(a, 0, first, parts=2)[1]), timeout=10).duplicate
+                a.join()  # the rejoin: the site starts round 0 over
+            for part in messages(a, 0, retrained, parts=2):
+                assert not stub.PushDelta(iter(part), timeout=10).duplicate
+            assert c.controller.round == 1
+            thetas.append(c.controller.theta.clone())
+    assert torch.equal(thetas[0], thetas[1])
+
+
 def test_digests_are_kept_for_a_few_closed_rounds_only() -> None:
     from geodiloco.coordinator.rounds import KEEP_DIGESTS
 
