@@ -58,3 +58,11 @@ class DeadlineExceeded(CoordinatorError):
     """A stream that stopped sending, or a wait the coordinator will not extend."""
 
     status = "DEADLINE_EXCEEDED"
+
+
+class StateError(ValueError):
+    """The run directory holds a state this coordinator must not resume from."""
+
+
+class CorruptStateError(StateError):
+    """A state file that is truncated, altered or not a geodiloco state file."""
