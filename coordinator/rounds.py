@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -34,11 +33,13 @@ from geodiloco.coordinator.errors import (
     LateContribution,
     PermissionDenied,
 )
+from geodiloco.coordinator.journal import JsonLines
 from geodiloco.coordinator.ledger import DataLedger, LedgerExhausted
 from geodiloco.coordinator.outer_optimizer import NesterovOuter, build_outer_optimizer
 from geodiloco.coordinator.replay import apply_update
 from geodiloco.coordinator.reports import REPORT_LOG, HashReport, append_report, read_reports
 from geodiloco.coordinator.rounds_pool import WORKERS
+from geodiloco.coordinator.rundir import ROUND_LOG as ROUND_LOG
 from geodiloco.coordinator.updatelog import LoggedUpdate, logged_rounds, prune, read_update, write_update
 from geodiloco.params import Checksum, state_hash
 from geodiloco.security.sealing import Sealer
@@ -47,7 +48,6 @@ from geodiloco.workload.data import DataRange
 log = logging.getLogger("geodiloco.coordinator")
 
 FULL_STATE_CODEC = "fp32|zstd:1"
-ROUND_LOG = "rounds.jsonl"
 KEEP_UPDATES = 4  # committed updates kept for sites that fall a round or two behind
 KEEP_DIGESTS = 4  # closed rounds whose accepted pushes' digests are kept, to tell a retry
 
@@ -538,10 +538,10 @@ class RoundController:
         snapshot = self.snapshot() if due else None  # the small parts, read on the loop
         try:
             await asyncio.to_thread(self._write_commit, logged, snapshot)
+            self._sync_round_log()
         except OSError:
             log.critical("cannot commit round %d to %s; exiting", r, self.run_dir, exc_info=True)
             os._exit(70)
-        self._sync_round_log()
 
     def _write_commit(self, logged: LoggedUpdate, snapshot: dict[str, Any] | None) -> None:
         assert self.run_dir is not None
@@ -583,28 +583,23 @@ class RoundController:
     def _sync_round_log(self) -> None:
         """Append the committed rounds the log does not have yet (one line each, in order)."""
         assert self.run_dir is not None
-        path = self.run_dir / ROUND_LOG
+        journal = JsonLines(self.run_dir / ROUND_LOG, durable=False)  # rewritten from the history
         if self._logged is None:  # read once per process, not at every commit
-            data = path.read_bytes() if path.exists() else b""
-            complete = data.rfind(b"\n") + 1
-            if complete < len(data):  # a crash while a line was written: rewrite it from the history
-                log.warning("%s: dropping a torn last line (%d bytes)", path, len(data) - complete)
-                os.truncate(path, complete)
-            self._logged = data.count(b"\n")
-        with open(path, "a") as f:
-            for record in self.history[self._logged :]:
-                line = {
-                    "round": record.round,
-                    "contributors": record.contributors,
-                    "tokens": record.tokens,
-                    "base_hash": self.hashes[record.round],  # θ it started from: the log chains
-                    "state_hash": record.state_hash,
-                    "update_bytes": record.update_bytes,
-                    "duration_s": round(record.duration_s, 3),
-                    "data": record.data,
-                }
-                f.write(json.dumps(line) + "\n")
+            self._logged = len(journal.open())
+        journal.append(*(self._round_line(record) for record in self.history[self._logged :]))
         self._logged = len(self.history)
+
+    def _round_line(self, record: RoundRecord) -> dict[str, Any]:
+        return {
+            "round": record.round,
+            "contributors": record.contributors,
+            "tokens": record.tokens,
+            "base_hash": self.hashes[record.round],  # θ it started from: the log chains
+            "state_hash": record.state_hash,
+            "update_bytes": record.update_bytes,
+            "duration_s": round(record.duration_s, 3),
+            "data": record.data,
+        }
 
     def snapshot(self) -> dict[str, Any]:
         """Everything a restarted coordinator needs to resume after the last committed round."""

@@ -233,3 +233,20 @@ async def test_a_torn_round_log_line_is_rewritten_on_restart(tmp_path: Path) -> 
         (c.hashes[0], c.hashes[1]),
         (c.hashes[1], c.hashes[2]),
     ]
+
+
+async def test_a_torn_report_line_then_two_restarts(tmp_path: Path) -> None:
+    """The torn tail is cut on the first restart, so the next report does not glue onto it and
+    the restart after that still opens the run directory (issue 16 item 3)."""
+    c = controller(tmp_path)
+    await _one_round(c)
+    await c.report("site-a", "", 0, c.hashes[1], 1.0, 1, 1.0)
+    with open(tmp_path / REPORT_LOG, "a") as f:
+        f.write('{"round": 0, "site": "site-b", "hash_')  # the crash hit mid-append
+    first = controller(tmp_path)
+    await join_all(first)
+    await first.report("site-b", "", 0, c.hashes[1], 3.0, 1, 1.0)
+    second = controller(tmp_path)
+    assert second.history[0].hash_reports == {"site-a": True, "site-b": True}
+    assert second.history[0].eval_loss_sum == 4.0
+    assert (tmp_path / REPORT_LOG).read_text().count("\n") == 2
