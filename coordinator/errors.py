@@ -48,6 +48,12 @@ class PermissionDenied(CoordinatorError):
     status = "PERMISSION_DENIED"
 
 
+class Unauthenticated(CoordinatorError):
+    """A site that cannot prove it holds its secret (a wrong or missing ``--secret``)."""
+
+    status = "UNAUTHENTICATED"
+
+
 class ResourceExhausted(CoordinatorError):
     """Too many requests from one peer (a flood of joins)."""
 

@@ -27,6 +27,7 @@ from geodiloco.coordinator.errors import (
     InvalidArgument,
     LateContribution,
     ResourceExhausted,
+    Unauthenticated,
 )
 from geodiloco.coordinator.intake import Intake, PartStream, StagedContribution
 from geodiloco.coordinator.journal import Journal
@@ -138,9 +139,33 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             limit = self.c.cfg.limits.joins_per_minute
             raise ResourceExhausted(f"too many joins from this peer (limits.joins_per_minute {limit})")
 
+    def _check_key_proof(self, request: Any) -> None:
+        """A sealing run admits only a site that proves it holds its secret: one with a wrong
+        secret would otherwise be a member, waited for, that cannot seal a chunk."""
+        keyring = self.security.keyring
+        if keyring is None:
+            if request.key_proof:
+                raise FailedPrecondition(
+                    "this run does not seal payloads (the coordinator runs --insecure): "
+                    "a site with a secret refuses to send them in the clear; drop its --secret"
+                )
+            return
+        if not request.key_proof:
+            raise Unauthenticated(
+                f"this run seals payloads: site {request.site!r} must prove its secret at Join "
+                "(give it --secret site-<name>.secret)"
+            )
+        if not keyring.proves_key(request.site, request.key_proof, request.run_id, request.world_size):
+            raise Unauthenticated(
+                f"site {request.site!r} does not hold its secret for this run (its --secret belongs "
+                "to another run secret or another site); it is not admitted"
+            )
+
     async def Join(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def handle() -> Any:
             self._check_join_rate(context)
+            self.c.site(request.site)  # a site outside the run is told that first
+            self._check_key_proof(request)
             record = await self.c.join(request.site, request.run_id, request.world_size)
             self.intake.forget_site(request.site)  # a rejoined site pushes its round afresh
             if request.version and request.version != __version__:
