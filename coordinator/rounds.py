@@ -10,11 +10,13 @@ stays bit-identical.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,6 +169,7 @@ class RoundController:
         self._logged: int | None = None  # lines in the round log, once read
         self._round_tokens: dict[str, int] = {}
         self.push_digests: dict[tuple[str, int], tuple[bytes, ...]] = {}  # (site, round) -> per part
+        self._transfers: dict[str, int] = {}  # push and pull streams in flight, per site
         self.disk_bytes = 0  # written by the last commit
         self.snapshot_round: int | None = None  # the round of the snapshot on disk
         if run_dir is not None:
@@ -254,6 +257,28 @@ class RoundController:
             raise FailedPrecondition(f"site {name!r} has not joined (state: {record.state}); call Join")
         record.last_seen = time.monotonic()
         return record
+
+    @contextlib.contextmanager
+    def transferring(self, name: str) -> Iterator[None]:
+        """A push or pull stream of ``name`` in progress: the site is alive while it lasts.
+
+        Heartbeats can queue behind a bulk transfer on a slow link (they share its connection),
+        so a long pull must not cost the site its lease: the lease is renewed when the stream
+        starts and ends, and :meth:`tick` does not expire a site with a stream in flight (a
+        dead peer's stream is ended by the keepalive or ``limits.chunk_timeout_s``)."""
+        record = self.sites.get(name)
+        if record is None:
+            yield
+            return
+        self._transfers[name] = self._transfers.get(name, 0) + 1
+        record.last_seen = time.monotonic()
+        try:
+            yield
+        finally:
+            self._transfers[name] -= 1
+            if not self._transfers[name]:
+                del self._transfers[name]
+            record.last_seen = time.monotonic()
 
     async def join(self, name: str, run_id: str, world_size: int = 1) -> SiteRecord:
         """Admit a site; its declared ``world_size`` (0: one rank) must fit the limits and the
@@ -647,7 +672,9 @@ class RoundController:
         """Expire leases and close rounds past their deadline; called periodically."""
         now = time.monotonic()
         for record in self.sites.values():
-            if record.state == "joined" and now - record.last_seen > self.cfg.lease_s:
+            if record.name in self._transfers:
+                record.last_seen = now  # a stream in flight is a heartbeat
+            elif record.state == "joined" and now - record.last_seen > self.cfg.lease_s:
                 record.state = "lost"
                 self.ledger.release_site(record.name)
                 log.warning("site %s lost: no heartbeat for %.1fs", record.name, now - record.last_seen)

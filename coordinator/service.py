@@ -247,12 +247,13 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             site, round_, fragment = first.header.site, first.header.round, first.header.fragment
             stream = await self._begin(first)
             chunk = first
-            while chunk is not None:
-                self._count(site, received=chunk)
-                wire_bytes += chunk.ByteSize()
-                await stream.add(chunk)
-                chunk = await _next_chunk(request_iterator, timeout_s)
-            await stream.drain()
+            with self.c.transferring(site):
+                while chunk is not None:
+                    self._count(site, received=chunk)
+                    wire_bytes += chunk.ByteSize()
+                    await stream.add(chunk)
+                    chunk = await _next_chunk(request_iterator, timeout_s)
+                await stream.drain()
             outcome = await self._complete(stream)
         except REFUSALS as exc:
             if stream is not None:
@@ -360,31 +361,32 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         mine = [(seq, chunk) for seq, chunk in enumerate(chunks) if seq % parts == request.part]
         if not mine:  # more pullers than chunks: this one gets the stream's facts, no payload
             mine = [(len(chunks), EncodedChunk(0, 0, b""))]
-        for i, (seq, chunk) in enumerate(mine):
-            message = outer_sync_pb2.UpdateChunk(
-                header=outer_sync_pb2.ChunkHeader(
-                    run_id=self.c.cfg.run_id,
-                    round=round_,
-                    fragment=0,
-                    site=request.site,
-                    codec=codec,
-                    seq=seq,
-                    start=chunk.start,
-                    numel=chunk.numel,
-                ),
-                payload=chunk.payload,
-                next_round=next_round,
-                state_hash=digest,
-                total_chunks=len(chunks),
-                finished=next_round >= self.c.cfg.rounds,
-                kind=kind,
-                data=ranges_to_proto(self.c.data_for(request.site)) if i == len(mine) - 1 else [],
-            )
-            if keys is not None:
-                seal_update(keys.down, message)
-            self._count(request.site, sent=message)
-            sent += message.ByteSize()
-            yield message
+        with self.c.transferring(request.site):
+            for i, (seq, chunk) in enumerate(mine):
+                message = outer_sync_pb2.UpdateChunk(
+                    header=outer_sync_pb2.ChunkHeader(
+                        run_id=self.c.cfg.run_id,
+                        round=round_,
+                        fragment=0,
+                        site=request.site,
+                        codec=codec,
+                        seq=seq,
+                        start=chunk.start,
+                        numel=chunk.numel,
+                    ),
+                    payload=chunk.payload,
+                    next_round=next_round,
+                    state_hash=digest,
+                    total_chunks=len(chunks),
+                    finished=next_round >= self.c.cfg.rounds,
+                    kind=kind,
+                    data=ranges_to_proto(self.c.data_for(request.site)) if i == len(mine) - 1 else [],
+                )
+                if keys is not None:
+                    seal_update(keys.down, message)
+                self._count(request.site, sent=message)
+                sent += message.ByteSize()
+                yield message
         self.journal.write(
             "pull",
             site=request.site,
