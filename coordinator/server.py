@@ -22,6 +22,7 @@ from geodiloco.coordinator.durable import STATE_FILE, STATE_LABEL
 from geodiloco.coordinator.journal import Journal
 from geodiloco.coordinator.metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
+from geodiloco.coordinator.rundir import lock_run_dir
 from geodiloco.coordinator.service import AdminServicer, OuterSyncServicer
 from geodiloco.metrics import MetricsServer, serve_metrics
 from geodiloco.params import flatten_parameters
@@ -234,6 +235,16 @@ async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
     # Intake and commits run in worker threads; a short switch interval hands the GIL back to
     # the event loop sooner, so heartbeats and pulls are answered while they work.
     sys.setswitchinterval(0.001)
+    # before anything in the run directory is read: one coordinator per run directory
+    lock = lock_run_dir(opts.run_dir) if opts.run_dir is not None else None
+    try:
+        await _serve_locked(cfg, opts)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+async def _serve_locked(cfg: RunConfig, opts: ServeOptions) -> None:
     security = opts.security(cfg.run_id)
     sealer = security.keyring.at_rest(STATE_LABEL) if security.keyring else None  # state sealed at rest
     controller = RoundController(
