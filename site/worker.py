@@ -125,6 +125,7 @@ def train(
         coordinator, site, tls=tls, site_secret=site_secret, data_parallel_size=layout.data_parallel
     )
     cfg = sync.config
+    sync.client.patience_s = cfg.round_timeout_s  # every rank retries a lost coordinator alike
     logs.bind(run=sync.info.run_id, round=lambda: sync.round)  # ops: run/round on every log line
     telemetry = SiteTelemetry.start(  # ops: metrics and progress (rank 0)
         site, rank, cfg.rounds * cfg.inner.steps_per_round, lambda: (sync.bytes_sent, sync.bytes_received)
