@@ -1,7 +1,7 @@
 """Chaos: real processes through WAN proxies, with faults placed by a fault plan at (site, rank,
-round, step), so each lands at the same point of training in every run: a site SIGKILLed
-mid-round (and restarted, as a supervisor would), the coordinator SIGKILLed mid-round (and
-restarted), a site partitioned past its lease and healed, a link slowed, and a link reset."""
+round, step or chunk of a push), so each lands at the same point of training in every run: a
+site SIGKILLed mid-round (and restarted, as a supervisor would), the coordinator SIGKILLed in the
+middle of a site's push (and restarted), a site partitioned past its lease and healed, a link slowed, and a link reset."""
 
 from __future__ import annotations
 
@@ -42,13 +42,14 @@ def chaos_config() -> RunConfig:
         lease_s=LEASE_S,
         heartbeat_interval_s=0.5,
         round_timeout_s=20.0,
+        compression__chunk_elements=1024,  # a few chunks per push and pull, to place faults between
     )
 
 
 def chaos_faults() -> list[Fault]:
     return [
         Fault(action="kill", site="site-1", rank=1, round=2, step=5),  # a site, mid-training
-        Fault(action="kill", site="site-3", round=4, step=6, target="coordinator"),  # mid-round
+        Fault(action="kill", site="site-3", round=4, at="push", chunk=2, target="coordinator"),  # mid-push
         Fault(action="partition", site="site-2", round=6, step=3, seconds=LEASE_S + 2),  # past its lease
         Fault(action="delay", site="site-3", round=9, step=0, delay_ms=200, seconds=3),
         Fault(action="drop", site="site-1", round=11, step=2),  # every connection reset
