@@ -1,7 +1,8 @@
 """Chaos: real processes through WAN proxies, with faults placed by a fault plan at (site, rank,
 round, step or chunk of a push), so each lands at the same point of training in every run: a
 site SIGKILLed mid-round (and restarted, as a supervisor would), the coordinator SIGKILLed in the
-middle of a site's push (and restarted), a site partitioned past its lease and healed, a link slowed, and a link reset."""
+middle of a site's push (and restarted), a site partitioned past its lease and healed, a link
+slowed, and a link reset."""
 
 from __future__ import annotations
 
