@@ -47,6 +47,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,7 +226,13 @@ class FaultInjector:
             fd = os.open(self.records / f"{index}.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return False
-        record = {"fault": asdict(fault), "round": round_, "step": step, "pid": os.getpid()}
+        record = {
+            "fault": asdict(fault),
+            "round": round_,
+            "step": step,
+            "pid": os.getpid(),
+            "time": time.time(),
+        }
         with os.fdopen(fd, "w") as out:
             out.write(json.dumps(record))
             out.flush()
