@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from geodiloco import faults
 from geodiloco.compression import EncodedChunk, ErrorFeedback, Place, parse_pipeline
 from geodiloco.compression.frames import chunk_ranges
 from geodiloco.config import RunConfig
@@ -503,6 +504,7 @@ class RoundController:
         self.round_opened = time.monotonic()
         self.first_contribution = None
         self._full_state = None
+        faults.at_commit(r)  # tests: a fault plan's kill or raise, advanced in memory, not yet durable
         await self._persist()
         log.info(
             "round %d committed: %s, %d tokens, update %d bytes, hash %s",

@@ -1,14 +1,21 @@
-"""The site's gRPC client for the outer loop (blocking; used from the site's rank 0).
+"""The site's gRPC client for the outer loop (blocking; one per rank of the site).
 
-Unary calls are retried by gRPC itself (service-config retry policy on UNAVAILABLE); pushes
-and pulls are retried here with jittered exponential backoff, which is safe because the
+Unary calls are retried by gRPC itself (service-config retry policy on UNAVAILABLE); joins,
+pushes and pulls are retried here with jittered exponential backoff, which is safe because the
 coordinator treats a repeated push for the same (run, round, fragment, site) as a no-op.
+
+A coordinator that dies mid-call ends the call with whatever its transport says: UNAVAILABLE
+after a SIGKILL, but UNKNOWN, CANCELLED or a transport INTERNAL when the process went down by
+an exception. All of these are retried (see :func:`transient`), until the coordinator is back,
+for up to ``patience_s``; a refusal the coordinator means (INVALID_ARGUMENT, PERMISSION_DENIED,
+FAILED_PRECONDITION, ...) is raised at once.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -20,7 +27,7 @@ from typing import Any, TypeVar, overload
 import grpc
 import torch
 
-from geodiloco import __version__
+from geodiloco import __version__, faults
 from geodiloco.compression import CodecError, EncodedChunk, decode_chunks_into, parse_pipeline
 from geodiloco.progress import Progress
 from geodiloco.security.chunks import KeyMismatch, open_update, seal_delta
@@ -64,7 +71,27 @@ CHANNEL_OPTIONS = [
     ("grpc.service_config", _RETRY_SERVICE_CONFIG),
 ]
 UNARY_TIMEOUT_S = 30.0
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+PATIENCE_S = 120.0  # until the run's own (round_timeout_s) is known
+RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNKNOWN,  # the coordinator's process ended by an exception mid-call
+    grpc.StatusCode.CANCELLED,  # ... and cancelled its open calls on the way out
+)
+# INTERNAL is a refusal when the coordinator says it (CoordinatorError), a lost call when the
+# transport says it: a stream reset or cut short by the peer's death
+TRANSPORT_FAILURES = ("RST_STREAM", "Stream removed", "GOAWAY", "Socket closed", "Connection reset", "EOS")
+OWN_FAILURE = "Exception iterating requests"  # our own request iterator raised: no retry helps
+
+
+def transient(exc: grpc.RpcError) -> bool:
+    """Whether a failed call is worth repeating: the coordinator (or the path to it) went away or
+    timed out, rather than refusing the call."""
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.INTERNAL:
+        return any(marker in details for marker in TRANSPORT_FAILURES)
+    return code in RETRYABLE and not details.startswith(OWN_FAILURE)
+
 
 T = TypeVar("T")
 
@@ -221,11 +248,14 @@ class OuterSyncClient:
         tls: TlsFiles | None = None,
         site_secret: bytes | None = None,
         max_attempts: int = 8,
+        patience_s: float = PATIENCE_S,
     ) -> None:
         self.site = site
+        self.rank = int(os.environ.get("RANK", "0"))  # the site's rank (fault plans place by it)
         self.run_id = ""
         self.assigned: list[DataRange] = []  # the ledger's data for this site, as last told
         self.max_attempts = max_attempts
+        self.patience_s = patience_s  # how long a lost call is retried (and at least max_attempts)
         self.keys: SiteKeys | None = None
         self._site_secret = site_secret
         self.channel = open_channel(target, tls, options=CHANNEL_OPTIONS)
@@ -249,17 +279,30 @@ class OuterSyncClient:
         return response
 
     def _with_backoff(self, what: str, attempt_fn: Callable[[], T]) -> T:
-        delay = 0.2
-        for attempt in range(1, self.max_attempts + 1):
+        """Repeat a call that failed transiently: at least ``max_attempts`` tries, and for
+        ``patience_s`` since the first failure (each try waits for the channel to be ready, so
+        a coordinator being restarted is waited for, not hammered)."""
+        delay, attempt, first_failure = 0.2, 0, 0.0
+        while True:
+            attempt += 1
             try:
                 return attempt_fn()
             except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE or attempt == self.max_attempts:
+                now = time.monotonic()
+                first_failure = first_failure or now
+                patient = attempt < self.max_attempts or now - first_failure < self.patience_s
+                if not transient(exc) or not patient:
                     raise
-                log.warning("%s failed (%s), retry %d in %.1fs", what, exc.code().name, attempt, delay)
+                log.warning(
+                    "%s failed (%s %s), retry %d in %.1fs",
+                    what,
+                    exc.code().name,
+                    exc.details(),
+                    attempt,
+                    delay,
+                )
                 time.sleep(delay * random.uniform(0.5, 1.5))
-                delay = min(delay * 2, 10.0)
-        raise AssertionError("unreachable")
+                delay = min(delay * 2, 5.0)
 
     # -- RPCs -------------------------------------------------------------------------------
 
@@ -272,6 +315,7 @@ class OuterSyncClient:
             request.key_proof = join_proof(self._site_secret, run_id, self.site, world_size)
         r = self._with_backoff("join", lambda: self._unary(self.stub.Join, request))
         self.run_id = r.run_id
+        self.patience_s = _round_timeout(r.run_config_json) or self.patience_s
         self.assigned = ranges_from_proto(r.data)
         self.keys = self._keys_for(r.run_id, r.key_id)
         return JoinInfo(
@@ -364,13 +408,17 @@ class OuterSyncClient:
             raise ValueError("a push part needs at least one chunk")
 
         def messages() -> Iterator[Any]:  # consumed by gRPC's sender thread: sealing overlaps sending
+            sent = 0
             for msg in iter_delta_messages(
                 self.run_id, self.site, round_, codec, chunks, tokens, data, part, parts
             ):
+                faults.at(self.site, self.rank, round_, sent, "push")  # tests: mid-push faults
                 if self.keys is not None:
                     seal_delta(self.keys.up, msg)
                 self._count(sent=msg)
                 yield msg
+                sent += 1
+            faults.at(self.site, self.rank, round_, sent, "push")  # all sent, not yet acknowledged
 
         def attempt() -> Any:
             ack = self.stub.PushDelta(messages(), timeout=timeout_s, wait_for_ready=True)
@@ -399,7 +447,9 @@ class OuterSyncClient:
             chunks: dict[int, EncodedChunk] = {}
             last: Any = None
             shown: Progress | None = None
-            for msg in self.stub.PullUpdate(request, timeout=timeout_s, wait_for_ready=True):
+            stream = self.stub.PullUpdate(request, timeout=timeout_s, wait_for_ready=True)
+            for received, msg in enumerate(stream):
+                faults.at(self.site, self.rank, round_, received, "pull")  # tests: mid-pull faults
                 self._count(received=msg)
                 if full_state and shown is None:  # ops: a full state can be large
                     mine = -(-msg.total_chunks // max(parts, 1))
@@ -468,6 +518,14 @@ def decode_whole(part: PulledPart, num_params: int) -> torch.Tensor:
     chunks = (part.chunks[s] for s in sorted(part.chunks))
     decode_chunks_into(parse_pipeline(part.codec), chunks, out, round_=part.round)
     return out
+
+
+def _round_timeout(run_config_json: str) -> float:
+    """The run's patience for a round (``round_timeout_s``), read from the config Join sent."""
+    try:
+        return float(json.loads(run_config_json).get("round_timeout_s", 0.0))
+    except (ValueError, TypeError, AttributeError):  # the config is checked where it is used
+        return 0.0
 
 
 def _facts(msg: Any) -> tuple[str, int, int, str, int]:

@@ -14,11 +14,15 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from geodiloco.lifecycle import StopRequest
 from geodiloco.security.tls import TlsFiles
+
+REFUSAL_FILE_ENV = "GEODILOCO_REFUSAL_FILE"  # where rank 0 writes a Join refusal (site.worker)
+EXIT_REFUSED = 78  # EX_CONFIG: restarting the site unchanged cannot help
 
 
 class NodesError(ValueError):
@@ -83,11 +87,15 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run_torchrun(module: str, nproc: int, args: list[str], nodes: Nodes | None = None) -> int:
+def run_torchrun(
+    module: str, nproc: int, args: list[str], nodes: Nodes | None = None, env: dict[str, str] | None = None
+) -> int:
     """Run to completion; the first SIGTERM asks the ranks to leave (ops: geodiloco.lifecycle),
     SIGINT and a second SIGTERM go on to torchrun (which stops the ranks)."""
     stop = StopRequest()  # ops
-    proc = subprocess.Popen(worker_command(module, nproc, args, nodes), env={**worker_env(), **stop.env()})
+    proc = subprocess.Popen(
+        worker_command(module, nproc, args, nodes), env={**worker_env(), **stop.env(), **(env or {})}
+    )
 
     def forward(signum: int, _frame: object) -> None:
         stop.forward(signum, proc)  # ops
@@ -116,4 +124,9 @@ def run_site(
         args += ["--tls", str(tls.cert), str(tls.key), str(tls.ca)]
     if secret is not None:
         args += ["--secret", str(secret)]
-    return run_torchrun("geodiloco.site.worker", nproc, args, nodes)
+    # a Join refusal: rank 0 prints it once and writes it here, every rank leaves quietly (no
+    # tracebacks, no torchrun failure box) and this node's launcher exits EXIT_REFUSED
+    with tempfile.TemporaryDirectory(prefix="geodiloco-site-") as scratch:
+        refusal = Path(scratch) / "refused"
+        code = run_torchrun("geodiloco.site.worker", nproc, args, nodes, {REFUSAL_FILE_ENV: str(refusal)})
+        return EXIT_REFUSED if refusal.exists() else code

@@ -11,6 +11,7 @@ import argparse
 import ctypes
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -18,7 +19,9 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
+import grpc
 import torch
 import torch.distributed as dist
 
@@ -38,8 +41,11 @@ from geodiloco.distributed import DEVICES, init_rank, shutdown_distributed
 from geodiloco.lifecycle import GracefulStop
 from geodiloco.logs import setup_logging
 from geodiloco.metrics import SiteTelemetry
+from geodiloco.security.chunks import KeyMismatch
 from geodiloco.security.secrets import load_secret
 from geodiloco.security.tls import TlsFiles
+from geodiloco.site.client import transient
+from geodiloco.site.launcher import EXIT_REFUSED, REFUSAL_FILE_ENV
 from geodiloco.site.layout import (
     PRECISIONS,
     LayoutError,
@@ -110,6 +116,39 @@ def resume(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     )
 
 
+def round_train_loss(losses: list[float], trained_round: int, closed_round: int) -> float:
+    """The mean inner loss of the round this site just closed; NaN when the sync resynced it to
+    a later round (a lapsed lease, a refused push), since the losses belong to a round the run
+    closed without them."""
+    if closed_round != trained_round or not losses:
+        return math.nan
+    return sum(losses) / len(losses)
+
+
+def exit_refused(rank: int, exc: Exception) -> NoReturn:
+    """The coordinator refused the site at Join: say why in one line (rank 0), not in every
+    rank's traceback and torchrun's failure box. Under `geodiloco site run` every rank leaves
+    with status 0 and the launcher, finding the refusal written down, exits EXIT_REFUSED."""
+    refusal_file = os.environ.get(REFUSAL_FILE_ENV)
+    if rank == 0:
+        why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+        line = f"join refused: {why}"
+        print(f"geodiloco site: {line}", file=sys.stderr, flush=True)
+        if refusal_file:
+            Path(refusal_file).write_text(line + "\n")
+    logging.shutdown()
+    os._exit(0 if refusal_file else EXIT_REFUSED)  # no process group teardown: a peer has gone
+
+
+def refused_at_join(rank: int, exc: Exception) -> bool:
+    """Whether a failure while joining is the coordinator's refusal (rank 0 knows it; the other
+    ranks, whose broadcast broke when rank 0 left, find it written down by rank 0)."""
+    if rank == 0:
+        return isinstance(exc, KeyMismatch) or (isinstance(exc, grpc.RpcError) and not transient(exc))
+    refusal_file = os.environ.get(REFUSAL_FILE_ENV)
+    return refusal_file is not None and Path(refusal_file).exists()
+
+
 def train(
     coordinator: str, site: str, tls: TlsFiles | None, site_secret: bytes | None, options: SiteOptions
 ) -> None:
@@ -121,10 +160,16 @@ def train(
         raise LayoutError(problem)
     stop = GracefulStop.install()  # ops: SIGTERM leaves at the next step
     mesh = build_mesh(layout, device.type)
-    sync = OuterSync.connect(
-        coordinator, site, tls=tls, site_secret=site_secret, data_parallel_size=layout.data_parallel
-    )
+    try:
+        sync = OuterSync.connect(
+            coordinator, site, tls=tls, site_secret=site_secret, data_parallel_size=layout.data_parallel
+        )
+    except Exception as exc:
+        if refused_at_join(rank, exc):
+            exit_refused(rank, exc)
+        raise
     cfg = sync.config
+    sync.client.patience_s = cfg.round_timeout_s  # every rank retries a lost coordinator alike
     logs.bind(run=sync.info.run_id, round=lambda: sync.round)  # ops: run/round on every log line
     telemetry = SiteTelemetry.start(  # ops: metrics and progress (rank 0)
         site, rank, cfg.rounds * cfg.inner.steps_per_round, lambda: (sync.bytes_sent, sync.bytes_received)
@@ -152,6 +197,7 @@ def train(
                 checkpoint.save(options.checkpoint_dir, model, optimizer, sync, layout.name)
             break
         faults.at(site, rank, sync.round, sync.steps_in_round)  # tests: a fault plan's faults, if any
+        trained_round = sync.round
         step = sync.round * cfg.inner.steps_per_round + sync.steps_in_round
         batch = on_device(data.batch(sync.data, sync.steps_in_round, dp_rank, dp), device)  # ledger's data
         tokens = data.tokens(batch)
@@ -166,15 +212,19 @@ def train(
         eval_sum, eval_count = evaluate_batches(
             trained, batches_on(data.eval_batches(eval_part, eval_parts), device), loss_fn
         )
-        totals = torch.tensor([eval_sum, float(eval_count), sum(losses) / len(losses)], dtype=torch.float64)
+        closed = sync.last_result.round if sync.last_result is not None else trained_round
+        train_loss = round_train_loss(losses, trained_round, closed)  # NaN after a resync
+        totals = torch.tensor([eval_sum, float(eval_count), train_loss], dtype=torch.float64)
         dist.all_reduce(totals)
         totals[:2] /= layout.tp  # tensor-parallel ranks evaluated the same slice
         sync.report(float(totals[0]), int(totals[1]), float(totals[2]) / world, compute_s)
         if rank == 0:
             log.info(
-                "round %d done: train loss %.4f, eval slice loss %.4f",
-                sync.round - 1,
-                float(totals[2]) / world,
+                "round %d done: train loss %s, eval slice loss %.4f",
+                closed,
+                f"{float(totals[2]) / world:.4f}"
+                if closed == trained_round
+                else f"- (trained round {trained_round})",
                 float(totals[0] / totals[1]),
             )
         telemetry.round(  # ops

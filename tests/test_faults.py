@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from geodiloco.faults import Fault, FaultInjector, FaultPlan, FaultPlanError, fired, load_plan
+from geodiloco.faults import Fault, FaultInjector, FaultPlan, FaultPlanError, InjectedCrash, fired, load_plan
 from geodiloco.wan import ProxyThread
 
 LINK = "127.0.0.1:1"
@@ -143,3 +143,128 @@ def test_kill_is_a_sigkill_of_the_site_or_of_the_coordinator(tmp_path: Path) -> 
         if coordinator.poll() is None:
             coordinator.kill()
             coordinator.wait()
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        (
+            {"action": "raise", "round": 1, "at": "commit"},
+            'faults[0].target: at commit: must be "coordinator"',
+        ),
+        (
+            {"action": "drop", "site": "a", "round": 1, "target": "coordinator"},
+            "faults[0].target: only a kill or",
+        ),
+        (
+            {"action": "raise", "site": "a", "round": 1, "target": "coordinator"},
+            "faults[0].at: a raise fires only",
+        ),
+        (
+            {"action": "kill", "round": 1, "at": "commit"},
+            'faults[0].target: at commit: must be "coordinator"',
+        ),
+        (
+            {"action": "drop", "site": "a", "round": 1, "at": "commit"},
+            "faults[0].action: at commit: only kill",
+        ),
+        ({"action": "kill", "site": "a", "round": 1, "at": "mid"}, "faults[0].at: unknown 'mid'"),
+        ({"action": "kill", "round": 1, "at": "push"}, "faults[0].site: must name a site"),
+        ({"action": "kill", "site": "a", "round": 1, "at": "pull", "chunk": -2}, "faults[0].chunk: must be"),
+    ],
+)
+def test_bad_placements_name_the_field(tmp_path: Path, fault: dict[str, Any], message: str) -> None:
+    with pytest.raises(FaultPlanError) as err:
+        load_plan(write_plan(tmp_path, {"coordinator_pid": 1, "faults": [fault]}))
+    assert message in str(err.value)
+
+
+def test_push_pull_and_commit_faults_fire_at_their_chunk_and_round_once(tmp_path: Path) -> None:
+    with ProxyThread("127.0.0.1:1", control_port=0) as proxy:
+        plan = write_plan(
+            tmp_path,
+            {
+                "links": {"a": proxy.control_address},
+                "faults": [
+                    {"action": "drop", "site": "a", "round": 2, "at": "push", "chunk": 3},
+                    {
+                        "action": "delay",
+                        "site": "a",
+                        "round": 2,
+                        "at": "pull",
+                        "chunk": 0,
+                        "seconds": 30,
+                        "delay_ms": 9,
+                    },
+                    {"action": "raise", "round": 4, "at": "commit", "target": "coordinator"},
+                    {"action": "kill", "round": 5, "at": "commit", "target": "coordinator"},
+                ],
+            },
+        )
+        site, coordinator = FaultInjector(plan, "a", 0), FaultInjector(plan, None)
+        for chunk in range(3):
+            site.reached(2, chunk, "push")
+        site.reached(2, 5, "step")  # an inner step is not a push
+        site.reached(3, 0, "commit")  # nor does a site fire a commit fault
+        coordinator.reached(3, 0, "commit")  # nor the coordinator one of a later round
+        assert fired(plan) == {}
+        site.reached(2, 3, "push")
+        assert fired(plan)[0]["step"] == 3 and fired(plan)[0]["fault"]["at"] == "push"
+        site.reached(2, 0, "pull")  # the commit reached the site: nothing taken yet
+        time.sleep(0.1)
+        assert proxy.proxy.extra_delay_ms(time.monotonic()) == 9
+        with pytest.raises(InjectedCrash, match="raise at commit of round 4"):
+            coordinator.reached(4, 0, "commit")
+        assert sorted(fired(plan)) == [0, 1, 2]
+        FaultInjector(plan, None).reached(4, 0, "commit")  # a restarted coordinator: fired already
+        assert at_commit_pid(plan) == os.getpid()
+
+
+def at_commit_pid(plan: Path) -> int:
+    """The kill at commit ends the process that commits: it fires in a child, not in this test."""
+    child = subprocess.run(
+        [sys.executable, "-c", KILL_AT_COMMIT, str(plan)], capture_output=True, text=True, timeout=60
+    )
+    assert child.returncode == -9 and child.stdout == "", child.stderr
+    assert fired(plan)[3]["fault"]["at"] == "commit" and fired(plan)[3]["round"] == 5
+    return os.getpid()
+
+
+KILL_AT_COMMIT = """
+import sys
+from pathlib import Path
+from geodiloco.faults import FaultInjector
+FaultInjector(Path(sys.argv[1]), None).reached(5, 0, "commit")
+print("alive", flush=True)
+"""
+
+PUSH_AND_DIE = """
+import sys
+import torch
+from geodiloco.compression import encode_chunks, parse_pipeline
+from geodiloco.site.client import OuterSyncClient
+client = OuterSyncClient(sys.argv[1], "site-a")
+client.join()
+codec = parse_pipeline("q8|zstd:3")
+chunks, _ = encode_chunks(codec, torch.randn(int(sys.argv[2])) * 1e-2, 256, round_=0)
+client.push(0, codec.spec, chunks, tokens=10)
+print("pushed", len(chunks), flush=True)
+"""
+
+
+def test_a_site_killed_mid_push_leaves_the_round_without_its_part(tmp_path: Path) -> None:
+    from helpers import CoordinatorThread, tiny_config
+
+    plan = write_plan(
+        tmp_path, {"faults": [{"action": "kill", "site": "site-a", "round": 0, "at": "push", "chunk": 2}]}
+    )
+    with CoordinatorThread(tiny_config(min_sites=2)) as coordinator:
+        n = coordinator.controller.num_params
+        env = {**os.environ, "GEODILOCO_FAULT_PLAN": str(plan), "RANK": "0"}
+        env.pop("TORCHELASTIC_RUN_ID", None)
+        argv = [sys.executable, "-c", PUSH_AND_DIE, coordinator.target, str(n)]
+        child = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+        assert child.returncode == -9, child.stderr[-2000:]
+        assert fired(plan)[0]["step"] == 2  # two of its chunks had gone
+        assert not coordinator.controller.mean.contributors  # the part never completed
+        assert coordinator.controller.round == 0

@@ -1,25 +1,41 @@
-"""Deterministic fault injection: faults placed at (site, rank, round, step), not by wall clock.
+"""Deterministic fault injection: faults placed by training position, not by wall clock.
 
 A chaos test (or an operator rehearsing failures) writes a plan, a JSON file named by
-``GEODILOCO_FAULT_PLAN`` in the sites' environment. Each site's training loop calls :func:`at`
-before every inner step; the rank a fault names fires it when it first reaches the fault's round
-and step (or, if a catch-up skipped that point, the first step after it), so every fault lands
-at the same point of training in every run:
+``GEODILOCO_FAULT_PLAN`` in the sites' (and the coordinator's) environment. A fault is placed
+``at`` one of four points of a round, so every fault lands at the same point of training in
+every run:
+
+- ``step``: before inner step ``step`` of ``round`` (the site's training loop, :func:`at`);
+- ``push``: in the push of ``round``'s pseudo-gradient, once ``chunk`` chunks were sent;
+- ``pull``: in the pull of the update closing ``round`` (or of a full state while the site is at
+  ``round``), once ``chunk`` chunks arrived; ``chunk`` 0 is the moment the commit reaches the
+  site, before it takes anything;
+- ``commit``: in the coordinator, while it commits ``round`` (new state in memory, not yet durable).
+
+Site points are reached by the rank a fault names (``site``, ``rank``); it fires when it first
+reaches the fault's position (or, if a catch-up skipped it, the first position after it of the
+same kind). Actions:
 
 - ``kill``: SIGKILL the site (its torchrun and every rank), or with ``"target": "coordinator"``
-  the coordinator's process (``coordinator_pid`` in the plan);
+  the coordinator (at a site point: the process ``coordinator_pid`` names; at ``commit``: itself);
+- ``raise``: the coordinator dies by an uncaught exception (``commit`` only), as a bug would;
 - ``partition``: cut the site's WAN link for ``seconds``;
 - ``delay``: add ``delay_ms`` of one-way latency to the site's link for ``seconds``;
 - ``drop``: reset every connection of the site's link.
 
 Link faults go to the site's ``geodiloco wan`` proxy through its control port (``links`` in the
-plan). Each fault fires once per plan, even across restarts of the site: before acting, the
-rank claims it by creating ``<plan>.fired/<index>.json`` (which records where it fired).
+plan). Each fault fires once per plan, even across restarts of the site or the coordinator:
+before acting, the process claims it by creating ``<plan>.fired/<index>.json`` (which records
+where it fired). A supervisor that restarts the coordinator rewrites the plan with its new
+``coordinator_pid`` (read when a kill fires, never cached).
 
 Example plan::
 
     {"links": {"site-2": "127.0.0.1:7002"}, "coordinator_pid": 4242,
      "faults": [{"action": "kill", "site": "site-1", "rank": 1, "round": 2, "step": 3},
+                {"action": "kill", "site": "site-3", "round": 5, "at": "push", "chunk": 2,
+                 "target": "coordinator"},
+                {"action": "raise", "round": 8, "at": "commit", "target": "coordinator"},
                 {"action": "partition", "site": "site-2", "round": 6, "step": 1, "seconds": 10}]}
 """
 
@@ -31,6 +47,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,8 +55,10 @@ from typing import Any
 log = logging.getLogger("geodiloco.faults")
 
 FAULT_PLAN_ENV = "GEODILOCO_FAULT_PLAN"
-ACTIONS = ("kill", "partition", "delay", "drop")
+ACTIONS = ("kill", "raise", "partition", "delay", "drop")
 TARGETS = ("site", "coordinator")
+POINTS = ("step", "push", "pull", "commit")
+LINK_ACTIONS = ("partition", "delay", "drop")  # sent to the site's WAN proxy
 CONTROL_TIMEOUT_S = 10.0
 
 
@@ -47,14 +66,21 @@ class FaultPlanError(ValueError):
     """A plan that cannot be used; the message names the field."""
 
 
+class InjectedCrash(SystemExit):
+    """A ``raise`` fault: an uncaught exception that ends the coordinator's process (a SystemExit,
+    so that neither gRPC's handler nor asyncio's task machinery keeps the process alive)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Fault:
     """One fault and the point of training where it fires."""
 
     action: str
-    site: str  # whose training position places the fault (and whose link or process it hits)
     round: int
-    step: int = 0  # inner step within the round: fires before that step runs
+    site: str = ""  # whose training position places the fault (and whose link or process it hits)
+    at: str = "step"  # the point of the round: step, push, pull or commit (see the module doc)
+    step: int = 0  # at "step": the inner step within the round; fires before that step runs
+    chunk: int = 0  # at "push" / "pull": fires once this many chunks have passed
     rank: int = 0  # the site's rank that fires it
     target: str = "site"  # kill only: the site itself, or the coordinator
     seconds: float = 0.0  # partition and delay: how long
@@ -66,14 +92,21 @@ class Fault:
                 raise FaultPlanError(f"{name}: {message}")
 
         require(self.action in ACTIONS, "action", f"unknown {self.action!r}; accepted: {', '.join(ACTIONS)}")
-        require(bool(self.site), "site", "must name a site")
-        for name in ("round", "step", "rank"):
+        require(self.at in POINTS, "at", f"unknown {self.at!r}; accepted: {', '.join(POINTS)}")
+        require(bool(self.site) or self.at == "commit", "site", "must name a site")
+        for name in ("round", "step", "chunk", "rank"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 0, name, f"must be an integer >= 0, got {value!r}")
         require(self.target in TARGETS, "target", f"unknown {self.target!r}; accepted: {', '.join(TARGETS)}")
         require(
-            self.target == "site" or self.action == "kill", "target", "only a kill may target the coordinator"
+            self.target == "site" or self.action in ("kill", "raise"),
+            "target",
+            "only a kill or a raise may target the coordinator",
         )
+        if self.at == "commit":  # fired by the coordinator, to itself
+            require(self.action in ("kill", "raise"), "action", "at commit: only kill or raise")
+            require(self.target == "coordinator", "target", 'at commit: must be "coordinator"')
+        require(self.action != "raise" or self.at == "commit", "at", 'a raise fires only at "commit"')
         if self.action in ("partition", "delay"):
             require(self.seconds > 0, "seconds", f"a {self.action} needs a duration > 0, got {self.seconds}")
         if self.action == "delay":
@@ -81,7 +114,8 @@ class Fault:
 
     @property
     def position(self) -> tuple[int, int]:
-        return (self.round, self.step)
+        """(round, step) at "step"; (round, chunk) at "push" and "pull"; (round, 0) at commit."""
+        return (self.round, self.chunk if self.at in ("push", "pull") else self.step)
 
     def command(self) -> str:
         """The WAN proxy's control command for a link fault."""
@@ -102,9 +136,9 @@ class FaultPlan:
 
     def __post_init__(self) -> None:
         for i, fault in enumerate(self.faults):
-            if fault.action != "kill" and fault.site not in self.links:
+            if fault.action in LINK_ACTIONS and fault.site not in self.links:
                 raise FaultPlanError(f"faults[{i}].site: a {fault.action} needs links[{fault.site!r}]")
-            if fault.target == "coordinator" and self.coordinator_pid <= 0:
+            if fault.target == "coordinator" and fault.at != "commit" and self.coordinator_pid <= 0:
                 raise FaultPlanError(f"faults[{i}].target: killing the coordinator needs coordinator_pid")
 
     @classmethod
@@ -157,22 +191,33 @@ def fired(plan_path: Path) -> dict[int, dict[str, Any]]:
 
 
 class FaultInjector:
-    """The faults of one plan that one rank of one site fires."""
+    """The faults of one plan that one rank of one site fires (``site`` None: the coordinator's,
+    those placed at commit)."""
 
-    def __init__(self, plan_path: Path, site: str, rank: int) -> None:
+    def __init__(self, plan_path: Path, site: str | None, rank: int = 0) -> None:
+        self.path = plan_path
         self.plan = load_plan(plan_path)
         self.records = fired_dir(plan_path)
         self.records.mkdir(exist_ok=True)
         self.site = site
-        self.pending = [(i, f) for i, f in enumerate(self.plan.faults) if (f.site, f.rank) == (site, rank)]
+        self.pending = [(i, f) for i, f in enumerate(self.plan.faults) if self._fires(f, site, rank)]
 
-    def reached(self, round_: int, step: int) -> None:
-        """Fire the faults placed at or before this point that have not fired yet."""
-        due = [(i, f) for i, f in self.pending if f.position <= (round_, step)]
+    @staticmethod
+    def _fires(fault: Fault, site: str | None, rank: int) -> bool:
+        if site is None:
+            return fault.at == "commit"
+        return fault.at != "commit" and (fault.site, fault.rank) == (site, rank)
+
+    def reached(self, round_: int, step: int, at: str = "step") -> None:
+        """Fire the faults placed at or before this point (of the same kind) not fired yet;
+        ``step`` is the inner step, or at "push" / "pull" the chunks passed so far."""
+        due = [(i, f) for i, f in self.pending if f.at == at and f.position <= (round_, step)]
         for i, fault in due:
             self.pending.remove((i, fault))
             if self._claim(i, fault, round_, step):
-                log.warning("fault plan: %s %s at round %d step %d", fault.action, fault.target, round_, step)
+                log.warning(
+                    "fault plan: %s %s at round %d %s %d", fault.action, fault.target, round_, at, step
+                )
                 self._fire(fault)
 
     def _claim(self, index: int, fault: Fault, round_: int, step: int) -> bool:
@@ -181,7 +226,13 @@ class FaultInjector:
             fd = os.open(self.records / f"{index}.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return False
-        record = {"fault": asdict(fault), "round": round_, "step": step, "pid": os.getpid()}
+        record = {
+            "fault": asdict(fault),
+            "round": round_,
+            "step": step,
+            "pid": os.getpid(),
+            "time": time.time(),
+        }
         with os.fdopen(fd, "w") as out:
             out.write(json.dumps(record))
             out.flush()
@@ -189,9 +240,13 @@ class FaultInjector:
         return True
 
     def _fire(self, fault: Fault) -> None:
+        if fault.action == "raise":
+            raise InjectedCrash(f"fault plan: raise at commit of round {fault.round}")
         if fault.action == "kill":
-            if fault.target == "coordinator":
-                os.kill(self.plan.coordinator_pid, signal.SIGKILL)
+            if fault.at == "commit":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault.target == "coordinator":  # its current pid: a supervisor rewrites the plan
+                os.kill(load_plan(self.path).coordinator_pid, signal.SIGKILL)
                 return
             if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: it goes, and its ranks with it
                 os.kill(os.getppid(), signal.SIGKILL)
@@ -205,13 +260,20 @@ class FaultInjector:
 
 
 @functools.cache
-def _injector(site: str, rank: int) -> FaultInjector | None:
+def _injector(path: str, site: str | None, rank: int) -> FaultInjector:
+    return FaultInjector(Path(path), site, rank)
+
+
+def at(site: str, rank: int, round_: int, step: int, point: str = "step") -> None:
+    """A site's hook (training loop: "step"; outer-sync client: "push", "pull" with ``step``
+    the chunks passed): fire this rank's faults placed here; without a plan, nothing."""
     path = os.environ.get(FAULT_PLAN_ENV)
-    return FaultInjector(Path(path), site, rank) if path else None
+    if path:
+        _injector(path, site, rank).reached(round_, step, point)
 
 
-def at(site: str, rank: int, round_: int, step: int) -> None:
-    """The training loop's hook: fire this rank's faults placed here; without a plan, nothing."""
-    injector = _injector(site, rank)
-    if injector is not None:
-        injector.reached(round_, step)
+def at_commit(round_: int) -> None:
+    """The coordinator's hook while it commits ``round_``; without a plan, nothing."""
+    path = os.environ.get(FAULT_PLAN_ENV)
+    if path:
+        _injector(path, None, 0).reached(round_, 0, "commit")

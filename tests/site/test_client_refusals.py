@@ -1,0 +1,42 @@
+"""What an operator sees of a site the run refuses (issue 16 item 8): one line naming why, not
+every rank's traceback and torchrun's failure box; and a site resynced to a later round reports
+no train loss from the round it trained for nothing."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from geodiloco.security.secrets import RUN_SECRET, new_run_secret, write_site_secret
+from geodiloco.site.launcher import EXIT_REFUSED
+from geodiloco.site.worker import round_train_loss
+from helpers import CoordinatorThread, kill_tree, spawn_geodiloco, tiny_config
+
+
+def test_train_loss_is_reported_only_for_the_round_it_trained() -> None:
+    assert round_train_loss([2.0, 4.0], trained_round=3, closed_round=3) == 3.0
+    assert math.isnan(round_train_loss([2.0, 4.0], trained_round=3, closed_round=7))  # resynced
+
+
+@pytest.mark.integration
+def test_a_site_refused_at_join_says_why_in_one_line(tmp_path: Path) -> None:
+    new_run_secret(tmp_path / RUN_SECRET)
+    secret = write_site_secret(tmp_path, "site-a")  # the coordinator (--insecure) seals nothing
+    with CoordinatorThread(tiny_config()) as coordinator:
+        args = ["site", "run", "--name", "site-a", "--coordinator", coordinator.target, "--nproc", "2"]
+        site = spawn_geodiloco([*args, "--insecure", "--secret", str(secret)], tmp_path / "site.log")
+        try:
+            code = site.wait(timeout=180)
+        finally:
+            if site.poll() is None:
+                kill_tree(site)
+    output = (tmp_path / "site.log").read_text()
+    refusals = [line for line in output.splitlines() if "join refused" in line]
+    assert refusals == [
+        "geodiloco site: join refused: the coordinator does not seal payloads; "
+        "refusing to send them in the clear"
+    ], output
+    assert "Traceback" not in output and "ChildFailedError" not in output, output
+    assert code == EXIT_REFUSED
