@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import time
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from geodiloco.compression import envelope, parse_pipeline
+from geodiloco.coordinator.aggregator import sum_of_squares
 from geodiloco.coordinator.errors import InvalidArgument
 from geodiloco.coordinator.intake import Staged
 from geodiloco.segment import Segment
@@ -107,3 +109,12 @@ def test_compressed_staging_never_folds_a_broken_push() -> None:
         expected = torch.cat([received(delta[:half]), received(delta[half:])])
         assert torch.equal(c.mean.total, expected * 100.0)
         a.close(), b.close()
+
+
+def test_sum_of_squares_is_fast_yet_exact_about_what_is_finite() -> None:
+    """An fp32 dot first; the float64 sum only tells an fp32 overflow from a NaN or Inf."""
+    assert sum_of_squares(torch.tensor([3.0, 4.0])) == 25.0
+    assert sum_of_squares(torch.tensor([1e30, 1e30])) == pytest.approx(2e60)  # overflows fp32 only
+    assert math.isnan(sum_of_squares(torch.tensor([1.0, float("nan")])))
+    assert sum_of_squares(torch.tensor([1.0, float("-inf")])) == float("inf")
+    assert sum_of_squares(torch.zeros(0)) == 0.0
