@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -247,13 +248,19 @@ async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
 async def _serve_locked(cfg: RunConfig, opts: ServeOptions) -> None:
     security = opts.security(cfg.run_id)
     sealer = security.keyring.at_rest(STATE_LABEL) if security.keyring else None  # state sealed at rest
+    resumes = _resumes(opts.run_dir)
     controller = RoundController(
         cfg,
-        None if _resumes(opts.run_dir) else initial_parameters(cfg),  # θ_0 unless a snapshot holds θ
+        None if resumes else initial_parameters(cfg),  # θ_0 unless a snapshot holds θ
         data_shard_sizes(cfg),
         opts.run_dir,
         sealer,
     )
+    if not resumes:
+        await controller.checkpoint()  # θ_0 on disk: a restart reads it instead of rebuilding the model
+    # Everything built so far lives as long as the process: out of the collector's sight, a full
+    # collection no longer walks torch's hundreds of thousands of objects on the event loop.
+    gc.freeze()
     logs.bind(run=cfg.run_id, round=lambda: controller.round)
     running = await start_server(controller, opts.host, opts.port, security=security, grace_s=opts.grace_s)
     metrics: MetricsServer | None = None
