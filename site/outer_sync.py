@@ -236,17 +236,17 @@ class FragmentSync:
         assert flight is not None
         pulled, outcome = flight.result.result()
         outcome = self.group.agree(outcome)
-        usable = outcome is Outcome.OK and self._agreed(pulled) and self._has_data(pulled)
-        if usable:
-            assert pulled is not None
-            self.merge(flight.round, pulled, False, flight.tokens)
-            return
+        resync = outcome is Outcome.RESYNC
         if outcome is Outcome.OK:
-            outcome = Outcome.RESYNC
-        pulled, applied = self.exchange(
-            flight.round, flight.chunks, flight.tokens, flight.data, resync=outcome is Outcome.RESYNC
-        )
-        self.merge(flight.round, pulled, applied, flight.tokens)
+            agreed = self._agreed(pulled)
+            if agreed and self._has_data(pulled):
+                assert pulled is not None
+                self.merge(flight.round, pulled, False, flight.tokens)
+                return
+            resync = not agreed  # else the push was taken: pushing again is a no-op, then rejoin
+        round_, tokens = flight.round, flight.tokens
+        pulled, applied = self.exchange(round_, flight.chunks, tokens, flight.data, resync=resync)
+        self.merge(round_, pulled, applied, tokens)
 
     def merge(self, round_: int, pulled: PulledPart, applied: bool, tokens: int) -> None:
         """θ_r + update → the snapshot (hash-checked); the parameters take it, or mix it in."""
