@@ -141,7 +141,7 @@ class InFlight:
     chunks: DeltaEncoding
     tokens: int
     data: list[DataRange] | None
-    result: Future[tuple[PulledPart | None, Outcome]]
+    result: Future[tuple[PulledPart | None, Outcome, str | None]]
 
 
 class FragmentSync:
@@ -163,6 +163,7 @@ class FragmentSync:
         self.part, self.parts = sum(owners[: owner.group.rank]), sum(owners)
         self.tokens = 0  # trained since this fragment's last push
         self.in_flight: InFlight | None = None
+        self.digest_after = ""  # the snapshot's hash after the last merge
 
     @property
     def link(self) -> Link:
@@ -203,9 +204,9 @@ class FragmentSync:
         round_, data = self.round, self.owner.data if self.settles_data else None
         tokens = self.take_tokens()
         chunks = self.encode_delta()
-        pulled, applied = self.exchange(round_, chunks, tokens, data)
+        pulled, caught_up = self.exchange(round_, chunks, tokens, data)
         chunks.finish()  # a push cut short (a resync) still leaves the residual of the whole Δ
-        self.merge(round_, pulled, applied, tokens)
+        self.merge(round_, pulled, tokens, caught_up=caught_up)
 
     def send(self) -> None:
         """Hand this fragment's pseudo-gradient to the background sender; training goes on."""
@@ -218,54 +219,68 @@ class FragmentSync:
 
     def _push_and_pull(
         self, round_: int, chunks: DeltaEncoding, tokens: int, data: list[DataRange] | None
-    ) -> tuple[PulledPart | None, Outcome]:
-        """The optimistic exchange, on the sender thread (no collectives: ranks agree later)."""
+    ) -> tuple[PulledPart | None, Outcome, str | None]:
+        """The optimistic exchange, on the sender thread: push, pull and, on a site of one rank
+        (no collectives needed), decode into the snapshot and hash it; the training thread only
+        touches this fragment's snapshot again when it lands. Ranks agree on the outcome then."""
         outcome = Outcome.OK
         if chunks:
             _, outcome = self.owner.call(lambda: self._push(round_, chunks, tokens, data))
-        pulled = None
+        pulled, digest = None, None
         if outcome is Outcome.OK:
             pulled, outcome = self.owner.call(functools.partial(self.pull, round_, False))
         chunks.finish()
-        return pulled, outcome
+        if pulled is not None and self.group.world == 1:
+            _, outcome = self.owner.call(lambda: self.apply(pulled))
+            if outcome is not Outcome.OK:  # the snapshot may be half updated: take the full state
+                return None, Outcome.RESYNC, None
+            digest = self.digest(self.snapshot)
+        return pulled, outcome, digest
 
     def land(self) -> None:
         """Merge the fragment sent τ steps ago: its pull if it went well on every rank, else the
         blocking recovery (push again, or rejoin and catch up) on the training thread."""
         flight, self.in_flight = self.in_flight, None
         assert flight is not None
-        pulled, outcome = flight.result.result()
-        outcome = self.group.agree(outcome)
-        resync = outcome is Outcome.RESYNC
-        if outcome is Outcome.OK:
-            agreed = self._agreed(pulled)
-            if agreed and self._has_data(pulled):
-                assert pulled is not None
-                self.merge(flight.round, pulled, False, flight.tokens)
-                return
-            resync = not agreed  # else the push was taken: pushing again is a no-op, then rejoin
         round_, tokens = flight.round, flight.tokens
-        pulled, applied = self.exchange(round_, flight.chunks, tokens, flight.data, resync=resync)
-        self.merge(round_, pulled, applied, tokens)
+        pulled, outcome, decoded = flight.result.result()
+        outcome = self.group.agree(outcome)
+        if outcome is Outcome.OK and self._agreed(pulled):
+            assert pulled is not None
+            if not self._has_data(pulled):
+                log.warning("%s: no data assigned (lease lapsed); rejoining", self.name(round_))
+                pulled = dataclasses.replace(pulled, data=self.rejoin()[1])
+            self.merge(round_, pulled, tokens, decoded=decoded)
+            return
+        # refused, or ranks pulled different states: rejoin; lost or failed: push again
+        resync = outcome in (Outcome.OK, Outcome.RESYNC)
+        pulled, caught_up = self.exchange(round_, flight.chunks, tokens, flight.data, resync=resync)
+        self.merge(round_, pulled, tokens, caught_up=caught_up)
 
-    def merge(self, round_: int, pulled: PulledPart, applied: bool, tokens: int) -> None:
-        """θ_r + update → the snapshot (hash-checked); the parameters take it, or mix it in."""
-        if not applied:
+    def merge(
+        self,
+        round_: int,
+        pulled: PulledPart,
+        tokens: int,
+        caught_up: bool = False,
+        decoded: str | None = None,
+    ) -> None:
+        """θ_r + update → the snapshot (hash-checked); the parameters take it, or mix it in.
+        ``caught_up``: the exchange already brought the snapshot to a later round; ``decoded``:
+        the sender already applied the update, and this is the snapshot's hash."""
+        if not caught_up and decoded is None:
             self.apply(pulled)
-        digest = self.digest(self.snapshot)
+        digest = decoded if decoded is not None else self.digest(self.snapshot)
         if self.group.rank == 0 and digest != pulled.state_hash:
             log.error(
-                "fragment %d diverged after round %d: %s != %s",
-                self.index,
-                round_,
-                digest[:12],
-                pulled.state_hash[:12],
+                "%s: parameters diverged: %s != %s", self.name(round_), digest[:12], pulled.state_hash[:12]
             )
-        behind = applied or pulled.is_full_state  # a resync: the local progress was on a stale base
+        behind = caught_up or pulled.is_full_state  # a resync: the local progress was on a stale base
         self.adopt(mix=self.owner.schedule.overlap > 0 and not behind)
         self.round, self.finished = pulled.next_round, pulled.finished
         if self.settles_data:
             self.owner.data = pulled.data
+        self.digest_after = digest
         if self.group.rank == 0:
             self.owner.merged.append(Merged(self.index, pulled.next_round - 1, digest, tokens))
 
@@ -632,12 +647,24 @@ class OuterSync:
                 f.sync_now()
         return self._close_round()
 
+    def drain(self) -> None:
+        """Land every fragment in flight now (blocking): before a checkpoint, the snapshot and
+        the error feedback must not be half way through a round."""
+        for f in self.fragments:
+            if f.in_flight is not None:
+                f.land()
+
     def _close_round(self) -> RoundResult:
         last = self.fragments[-1]
         self.round, self.finished = last.round, all(f.finished for f in self.fragments)
         tokens = self.tokens_in_round
         self.steps_in_round = self.tokens_in_round = 0
-        digest = self.digest(self.snapshot)
+        # one fragment: its hash is the whole snapshot's, computed when it merged
+        digest = (
+            last.digest_after
+            if len(self.fragments) == 1 and last.digest_after
+            else self.digest(self.snapshot)
+        )
         # after a resync the state is that of a later round than the one this site trained
         self.last_result = RoundResult(last.round - 1, digest, tokens, self.finished)
         return self.last_result
