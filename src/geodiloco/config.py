@@ -138,6 +138,13 @@ class OuterConfig:
     lr: float = 0.7
     momentum: float = 0.9
     warmup_rounds: int = 0
+    # Streaming DiLoCo: the model is synced in `fragments` fragments at staggered steps; each
+    # fragment's exchange overlaps `overlap_steps` inner steps (0: the site waits, as DiLoCo
+    # does), then the global fragment is mixed in: local <- mix_alpha·local + (1 - mix_alpha)·global
+    # (with overlap_steps 0 the parameters take the global values).
+    fragments: int = 1
+    overlap_steps: int = 0
+    mix_alpha: float = 0.5
 
     def __post_init__(self) -> None:
         _require(
@@ -148,6 +155,9 @@ class OuterConfig:
         _require(self.lr > 0, "outer.lr", f"must be > 0, got {self.lr}")
         _require(0 <= self.momentum < 1, "outer.momentum", f"must be in [0, 1), got {self.momentum}")
         _require(self.warmup_rounds >= 0, "outer.warmup_rounds", "must be >= 0")
+        _require(self.fragments >= 1, "outer.fragments", f"must be >= 1, got {self.fragments}")
+        _require(self.overlap_steps >= 0, "outer.overlap_steps", f"must be >= 0, got {self.overlap_steps}")
+        _require(0 <= self.mix_alpha < 1, "outer.mix_alpha", f"must be in [0, 1), got {self.mix_alpha}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -287,6 +297,18 @@ class RunConfig:
             0 <= self.min_sites <= len(self.sites),
             "min_sites",
             f"must be in [0, {len(self.sites)}] (0: half of the sites, rounded up), got {self.min_sites}",
+        )
+        _require(
+            self.outer.fragments <= self.inner.steps_per_round,
+            "outer.fragments",
+            f"must be <= inner.steps_per_round ({self.inner.steps_per_round}), got {self.outer.fragments}",
+        )
+        spacing = self.inner.steps_per_round // self.outer.fragments
+        _require(
+            self.outer.overlap_steps < spacing,
+            "outer.overlap_steps",
+            f"must be < inner.steps_per_round // outer.fragments ({spacing}): one fragment on the "
+            f"WAN at a time; got {self.outer.overlap_steps}",
         )
         _require(self.round_timeout_s > 0, "round_timeout_s", "must be > 0")
         _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
