@@ -23,8 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
+
+from geodiloco.site import plans
 
 PRESETS = ("ddp", "fsdp", "hsdp", "tp", "fsdp+tp")
 PRECISIONS = ("fp32", "bf16", "fp8")
@@ -168,23 +170,19 @@ def data_parallel_rank(mesh: DeviceMesh) -> int:
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Split every block's MLP: the up projection by columns, the down projection by rows.
-
-    Attention stays replicated across the tensor-parallel ranks: its fused qkv projection cannot
-    be split by columns without splitting heads apart (a model with separate q/k/v could)."""
-    blocks = getattr(model, "blocks", None)
-    if blocks is None:
-        raise LayoutError("tensor parallel: the model has no `blocks` with fc/out MLPs to split")
-    for block in blocks:
-        parallelize_module(block, mesh, {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+    """Split each block by the plan its structure calls for (:mod:`geodiloco.site.plans`): the
+    reference GPT's MLP, or a Llama-style layer's attention heads and MLP."""
+    for block, plan in plans.tensor_parallel_plans(model, mesh.size()):
+        parallelize_module(block, mesh, plan)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str) -> None:
-    """FSDP2 per block, then the root (its own parameters: embeddings, final norm)."""
+    """FSDP2 per block (the reference's blocks, a transformers model's decoder layers), then the
+    root (its own parameters: embeddings, final norm, output layer)."""
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if mixed_precision != "fp32" else None, reduce_dtype=torch.float32
     )
-    for block in getattr(model, "blocks", []):
+    for block in plans.blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
