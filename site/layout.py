@@ -86,9 +86,10 @@ class ParallelConfig:
     def check(self, world: int) -> None:
         sizes = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         if min(sizes) < 1 or math.prod(sizes) != world:
+            stages = f"pp {self.pp} x " if self.pp != 1 else ""
             raise LayoutError(
-                f"layout: pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} "
-                f"x tp {self.tp} must equal the site's {world} ranks"
+                f"layout: {stages}dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp} "
+                f"must equal the site's {world} ranks"
             )
         if self.pp > 1 and self.tp > 1:
             raise LayoutError("layout: pipeline with tensor parallel (pp and tp > 1) is not supported yet")

@@ -186,6 +186,8 @@ class Pipelined(nn.Module):
 
     def _schedule(self, inputs: tuple[torch.Tensor, ...], microbatches: int, mode: str) -> _PipelineSchedule:
         """A schedule per batch shape and mode (a stage learns its tensors' shapes on first use)."""
+        if len(inputs) != 1:  # refused on every stage alike: none is left waiting for another
+            raise TypeError(f"pipeline stages take one input (token ids), not {len(inputs)}")
         key = (tuple((tuple(t.shape), t.dtype) for t in inputs), microbatches, mode)
         schedule = self._schedules.get(key)
         if schedule is None:

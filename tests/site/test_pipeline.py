@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from geodiloco.params import canonical_parameters, flatten_parameters, state_hash
 from geodiloco.site.layout import LayoutError, ParallelConfig, build_mesh, data_parallel_rank, parallelize
 from geodiloco.site.pipeline import Pipelined, split_model, stage_blocks
-from geodiloco.site.shards import PLACEMENT_ATTR, ShardMap, StagePlacement
+from geodiloco.site.shards import PLACEMENT_ATTR, ShardMap, StagePlacement, replica_groups, stage_placement
 from geodiloco.workload import GPTConfig, build_model
 from geodiloco.workload.loss import cross_entropy
 from geodiloco.workload.steps import evaluate_batches
@@ -123,6 +123,16 @@ def _rank_main(rank: int, world: int, port: int, layout: str, out: Any) -> None:
         logits = trained(mine[:, :-1])  # forward: the last stage's logits on every stage
         eval_sum, eval_rows = evaluate_batches(trained, [(mine[:, :-1], mine[:, 1:])], cross_entropy)
         shards = ShardMap(model, rank, world)
+        # the checkpoint's sum over replicas: ones where a rank owns, added up, are ones everywhere
+        parts = [torch.zeros_like(p.local) for p in shards.pieces]
+        for _, view in shards.owned_views(parts):
+            view.fill_(1.0)
+        placement = stage_placement(model)
+        for (name, p), part in zip(canonical_parameters(model), parts, strict=True):
+            for group in replica_groups(name, p, placement):
+                dist.all_reduce(part, group=group)
+        with pytest.raises(TypeError, match="one input"):
+            trained(mine[:, :-1], mine[:, 1:])  # a model_loss-style call, refused on every stage
         out.put(
             {
                 "rank": rank,
@@ -135,6 +145,7 @@ def _rank_main(rank: int, world: int, port: int, layout: str, out: Any) -> None:
                 "owned_ok": torch.equal(
                     shards.gather_owned(), flat[[i for o in shards.owned for i in o.segment.positions()]]
                 ),
+                "replicas_ok": all(bool((part == 1).all()) for part in parts),
                 "local": shards.local_numel,
                 "num_params": shards.num_params,
                 "hash": state_hash(flat),
@@ -162,7 +173,9 @@ def test_a_pipeline_step_gives_the_whole_models_gradients(layout: str, world: in
     n = results[0]["num_params"]
     assert sorted(i for r in results for i in r["owned"]) == list(range(n))  # each element once
     for r in results:
-        assert r["owned_ok"] and r["local"] < n and r["grads_ok"] and r["logits_ok"], r["rank"]
+        assert r["owned_ok"] and r["replicas_ok"] and r["local"] < n and r["grads_ok"] and r["logits_ok"], r[
+            "rank"
+        ]
         assert r["loss"] == pytest.approx(r["mine_ref"], abs=1e-5)  # every stage reports the loss
     counted = [r["eval"] for r in results if r["eval"][1]]
     assert len(counted) == world // 2  # one stage of each pipeline counts its batch
