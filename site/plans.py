@@ -60,11 +60,13 @@ def llama_block_plan(block: nn.Module, tp: int) -> dict[str, ParallelStyle] | No
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks: ``model.blocks``, else the modules of the classes a
+    """The model's repeated blocks: ``model.blocks`` (a list, or a pipeline stage's dict), else the modules of the classes a
     ``transformers`` model names in ``_no_split_modules`` (its decoder layers)."""
     found = getattr(model, "blocks", None)
     if isinstance(found, nn.ModuleList):
         return list(found)
+    if isinstance(found, nn.ModuleDict):  # a pipeline stage's blocks, keyed by their index
+        return list(found.values())
     names = set(getattr(model, "_no_split_modules", None) or ())
     return [m for m in model.modules() if type(m).__name__ in names]
 
