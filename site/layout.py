@@ -26,7 +26,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-PRESETS = ("ddp", "fsdp", "hsdp", "tp", "fsdp+tp")
+from geodiloco.site.experts import apply_expert_parallel, expert_mesh
+
+PRESETS = ("ddp", "fsdp", "hsdp", "tp", "fsdp+tp", "ep")
 PRECISIONS = ("fp32", "bf16", "fp8")
 FP8_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper onwards
 FP8_MULTIPLE = 16  # torchao float8 matmuls need both dims of a weight divisible by 16
@@ -39,23 +41,28 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """dp_replicate x dp_shard x tp = the site's ranks; ``mixed_precision``: fp32, bf16 or fp8."""
+    """dp_replicate x dp_shard x tp = the site's ranks; ``mixed_precision``: fp32, bf16 or fp8.
+
+    ``ep``: the data-parallel ranks split each mixture-of-experts layer's experts in groups of
+    ``ep`` (:mod:`geodiloco.site.experts`); it divides them rather than multiplying the ranks."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     mixed_precision: str = "fp32"
+    ep: int = 1
 
     @classmethod
     def parse(cls, text: str, world: int, mixed_precision: str = "fp32") -> ParallelConfig:
-        """``ddp``, ``fsdp``, ``tp``, ``hsdp`` (2 replicas of FSDP), ``fsdp+tp`` (TP of 2), or
-        ``dp_replicate=R,dp_shard=S,tp=T``."""
+        """``ddp``, ``fsdp``, ``tp``, ``hsdp`` (2 replicas of FSDP), ``fsdp+tp`` (TP of 2), ``ep``
+        (DDP with the experts split over all ranks), or ``dp_replicate=R,dp_shard=S,tp=T,ep=E``."""
         presets = {
             "ddp": {"dp_replicate": world},
             "fsdp": {"dp_shard": world},
             "tp": {"tp": world},
             "hsdp": {"dp_replicate": 2, "dp_shard": world // 2},
             "fsdp+tp": {"dp_shard": world // 2, "tp": 2},
+            "ep": {"dp_replicate": world, "ep": world},
         }
         if text in presets:
             sizes = presets[text]
@@ -63,10 +70,10 @@ class ParallelConfig:
             sizes = {}
             for item in filter(None, (p.strip() for p in text.split(","))):
                 key, eq, value = item.partition("=")
-                if not eq or key.strip() not in MESH_DIMS or not value.strip().isdigit():
+                if not eq or key.strip() not in (*MESH_DIMS, "ep") or not value.strip().isdigit():
                     raise LayoutError(
                         f"layout: {item!r} is not one of {', '.join(PRESETS)} or "
-                        f"{'|'.join(MESH_DIMS)}=N[,...]"
+                        f"{'|'.join((*MESH_DIMS, 'ep'))}=N[,...]"
                     )
                 sizes[key.strip()] = int(value)
         config = cls(**sizes, mixed_precision=mixed_precision)
@@ -88,6 +95,12 @@ class ParallelConfig:
             )
         if self.mixed_precision == "fp8" and self.tp > 1:
             raise LayoutError("mixed-precision: fp8 is not supported with tensor parallel (tp > 1) yet")
+        if self.ep < 1 or self.data_parallel % self.ep:
+            raise LayoutError(
+                f"layout: ep {self.ep} must divide the {self.data_parallel} data-parallel ranks"
+            )
+        if self.ep > 1 and (self.dp_shard > 1 or self.tp > 1):
+            raise LayoutError("layout: ep > 1 composes with dp_replicate (DDP) only in this version")
 
     @property
     def data_parallel(self) -> int:
@@ -96,6 +109,8 @@ class ParallelConfig:
 
     @property
     def name(self) -> str:
+        if self.ep > 1:
+            return "ep"
         if self.tp > 1:
             return "tp" if self.data_parallel == 1 else "fsdp+tp"
         if self.dp_shard > 1:
@@ -203,6 +218,8 @@ def parallelize(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> n
         dims = ("dp_replicate", "dp_shard") if config.dp_replicate > 1 else ("dp_shard",)
         apply_fsdp(model, mesh[dims], config.mixed_precision)
         return model
+    if config.ep > 1:
+        apply_expert_parallel(model, expert_mesh(config.ep, mesh.device_type), config.data_parallel)
     trained: nn.Module = model
     if config.dp_replicate > 1:
         trained = DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group())
@@ -213,7 +230,8 @@ def parallelize(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> n
 
 def layout_summary(config: ParallelConfig) -> str:
     world = dist.get_world_size() if dist.is_initialized() else 1
+    experts = f", ep={config.ep}" if config.ep > 1 else ""
     return (
         f"{config.name} over {world} ranks (dp_replicate={config.dp_replicate}, "
-        f"dp_shard={config.dp_shard}, tp={config.tp}, {config.mixed_precision})"
+        f"dp_shard={config.dp_shard}, tp={config.tp}{experts}, {config.mixed_precision})"
     )
