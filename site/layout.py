@@ -30,10 +30,11 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from geodiloco.site import plans
+from geodiloco.site.experts import apply_expert_parallel, expert_mesh
 from geodiloco.site.pipeline import Pipelined, split_stage
 from geodiloco.workload.model import ByteGPT
 
-PRESETS = ("ddp", "fsdp", "hsdp", "tp", "fsdp+tp")
+PRESETS = ("ddp", "fsdp", "hsdp", "tp", "fsdp+tp", "ep")
 PRECISIONS = ("fp32", "bf16", "fp8")
 FP8_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper onwards
 FP8_MULTIPLE = 16  # torchao float8 matmuls need both dims of a weight divisible by 16
@@ -48,7 +49,10 @@ class LayoutError(ValueError):
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
     """pp x dp_replicate x dp_shard x tp = the site's ranks; ``mixed_precision``: fp32, bf16 or
-    fp8; ``microbatches``: how many a pipeline splits each batch into (0: one per stage)."""
+    fp8; ``microbatches``: how many a pipeline splits each batch into (0: one per stage).
+
+    ``ep``: the data-parallel ranks split each mixture-of-experts layer's experts in groups of
+    ``ep`` (:mod:`geodiloco.site.experts`); it divides them rather than multiplying the ranks."""
 
     pp: int = 1
     dp_replicate: int = 1
@@ -56,17 +60,20 @@ class ParallelConfig:
     tp: int = 1
     mixed_precision: str = "fp32"
     microbatches: int = 0
+    ep: int = 1
 
     @classmethod
     def parse(cls, text: str, world: int, mixed_precision: str = "fp32") -> ParallelConfig:
-        """``ddp``, ``fsdp``, ``tp``, ``hsdp`` (2 replicas of FSDP), ``fsdp+tp`` (TP of 2), or
-        ``pp=P,dp_replicate=R,dp_shard=S,tp=T[,microbatches=M]``."""
+        """``ddp``, ``fsdp``, ``tp``, ``hsdp`` (2 replicas of FSDP), ``fsdp+tp`` (TP of 2), ``ep``
+        (DDP with the experts split over all ranks), or
+        ``pp=P,dp_replicate=R,dp_shard=S,tp=T,ep=E[,microbatches=M]``."""
         presets = {
             "ddp": {"dp_replicate": world},
             "fsdp": {"dp_shard": world},
             "tp": {"tp": world},
             "hsdp": {"dp_replicate": 2, "dp_shard": world // 2},
             "fsdp+tp": {"dp_shard": world // 2, "tp": 2},
+            "ep": {"dp_replicate": world, "ep": world},
         }
         if text in presets:
             sizes = presets[text]
@@ -74,10 +81,10 @@ class ParallelConfig:
             sizes = {}
             for item in filter(None, (p.strip() for p in text.split(","))):
                 key, eq, value = item.partition("=")
-                if not eq or key.strip() not in (*MESH_DIMS, MICROBATCHES) or not value.strip().isdigit():
+                if not eq or key.strip() not in (*MESH_DIMS, MICROBATCHES, "ep") or not value.strip().isdigit():
                     raise LayoutError(
                         f"layout: {item!r} is not one of {', '.join(PRESETS)} or "
-                        f"{'|'.join((*MESH_DIMS, MICROBATCHES))}=N[,...]"
+                        f"{'|'.join((*MESH_DIMS, 'ep', MICROBATCHES))}=N[,...]"
                     )
                 sizes[key.strip()] = int(value)
         config = cls(**sizes, mixed_precision=mixed_precision)
@@ -108,6 +115,12 @@ class ParallelConfig:
             )
         if self.mixed_precision == "fp8" and self.tp > 1:
             raise LayoutError("mixed-precision: fp8 is not supported with tensor parallel (tp > 1) yet")
+        if self.ep < 1 or self.data_parallel % self.ep:
+            raise LayoutError(
+                f"layout: ep {self.ep} must divide the {self.data_parallel} data-parallel ranks"
+            )
+        if self.ep > 1 and (self.dp_shard > 1 or self.tp > 1 or self.pp > 1):
+            raise LayoutError("layout: ep > 1 composes with dp_replicate (DDP) only in this version")
 
     @property
     def data_parallel(self) -> int:
@@ -123,6 +136,8 @@ class ParallelConfig:
         if self.pp > 1:
             stage = ParallelConfig(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard)
             return "pp" if self.data_parallel == 1 else f"pp+{stage.name}"
+        if self.ep > 1:
+            return "ep"
         if self.tp > 1:
             return "tp" if self.data_parallel == 1 else "fsdp+tp"
         if self.dp_shard > 1:
@@ -245,6 +260,8 @@ def data_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) ->
         dims = ("dp_replicate", "dp_shard") if config.dp_replicate > 1 else ("dp_shard",)
         apply_fsdp(model, mesh[dims], config.mixed_precision)
         return model
+    if config.ep > 1:
+        apply_expert_parallel(model, expert_mesh(config.ep, mesh.device_type), config.data_parallel)
     trained: nn.Module = model
     if config.dp_replicate > 1:
         trained = DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group())
@@ -256,7 +273,8 @@ def data_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) ->
 def layout_summary(config: ParallelConfig) -> str:
     world = dist.get_world_size() if dist.is_initialized() else 1
     stages = f"pp={config.pp} x {config.stage_microbatches} microbatches, " if config.pp > 1 else ""
+    experts = f", ep={config.ep}" if config.ep > 1 else ""
     return (
         f"{config.name} over {world} ranks ({stages}dp_replicate={config.dp_replicate}, "
-        f"dp_shard={config.dp_shard}, tp={config.tp}, {config.mixed_precision})"
+        f"dp_shard={config.dp_shard}, tp={config.tp}{experts}, {config.mixed_precision})"
     )

@@ -49,6 +49,35 @@ def _require(cond: bool, field_name: str, message: str) -> None:
 
 
 @dataclass(kw_only=True, slots=True)
+class ModelConfig(GPTConfig):
+    """The reference model's shape. ``experts`` > 0 makes every block's MLP a mixture of that
+    many experts (:mod:`geodiloco.workload.moe`): each token goes to its ``top_k`` experts, and a
+    load-balancing loss weighted ``aux_loss_weight`` keeps the router from favouring a few."""
+
+    experts: int = 0  # 0: the dense reference model
+    top_k: int = 2
+    aux_loss_weight: float = 0.01
+
+    def __post_init__(self) -> None:
+        GPTConfig.__post_init__(self)  # zero-argument super() fails in a slotted dataclass
+        _require(
+            self.experts == 0 or self.experts >= 2,
+            "model.experts",
+            f"must be 0 (a dense model) or >= 2, got {self.experts}",
+        )
+        _require(
+            self.top_k >= 1 and (self.experts == 0 or self.top_k <= self.experts),
+            "model.top_k",
+            f"must be in [1, model.experts ({self.experts})], got {self.top_k}",
+        )
+        _require(
+            0 <= self.aux_loss_weight < float("inf"),
+            "model.aux_loss_weight",
+            f"must be >= 0 and finite, got {self.aux_loss_weight}",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
 class DataConfig:
     """Training text. Empty ``paths`` means the running interpreter's standard library."""
 
@@ -269,7 +298,7 @@ class RunConfig:
     # as its compressed update only (a restart replays them), and a graceful stop snapshots too
     snapshot_every: int = 10
     seed: int = 1234
-    model: GPTConfig = field(default_factory=GPTConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
@@ -337,8 +366,11 @@ class RunConfig:
             "n_head": ("model",),
             "d_model": ("model",),
             "seq_len": ("model", "data"),  # the reference data's window length too
+            "experts": ("model",),
+            "top_k": ("model",),
+            "aux_loss_weight": ("model",),
         }
-        default = GPTConfig()
+        default = ModelConfig()
         for name, keys in readers.items():
             if all(getattr(self.workload, key) != REFERENCE_BUILDERS[key] for key in keys):
                 _require(
