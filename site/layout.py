@@ -81,10 +81,10 @@ class ParallelConfig:
             sizes = {}
             for item in filter(None, (p.strip() for p in text.split(","))):
                 key, eq, value = item.partition("=")
-                if not eq or key.strip() not in (*MESH_DIMS, MICROBATCHES, "ep") or not value.strip().isdigit():
+                known = (*MESH_DIMS, "ep", MICROBATCHES)
+                if not eq or key.strip() not in known or not value.strip().isdigit():
                     raise LayoutError(
-                        f"layout: {item!r} is not one of {', '.join(PRESETS)} or "
-                        f"{'|'.join((*MESH_DIMS, 'ep', MICROBATCHES))}=N[,...]"
+                        f"layout: {item!r} is not one of {', '.join(PRESETS)} or {'|'.join(known)}=N[,...]"
                     )
                 sizes[key.strip()] = int(value)
         config = cls(**sizes, mixed_precision=mixed_precision)

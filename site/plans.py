@@ -60,8 +60,9 @@ def llama_block_plan(block: nn.Module, tp: int) -> dict[str, ParallelStyle] | No
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks: ``model.blocks`` (a list, or a pipeline stage's dict), else the modules of the classes a
-    ``transformers`` model names in ``_no_split_modules`` (its decoder layers)."""
+    """The model's repeated blocks: ``model.blocks`` (a list, or a pipeline stage's dict), else
+    the modules of the classes a ``transformers`` model names in ``_no_split_modules`` (its
+    decoder layers)."""
     found = getattr(model, "blocks", None)
     if isinstance(found, nn.ModuleList):
         return list(found)
