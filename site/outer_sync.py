@@ -556,7 +556,11 @@ class OuterSync:
         assert isinstance(shared, Joined)
         if group.rank != 0:
             link.adopt(shared.info.run_id, shared.info.key_id)
-        sync = cls(link, shared, group, data_parallel)
+        try:
+            sync = cls(link, shared, group, data_parallel)
+        except RuntimeError:  # a run this coordinator cannot serve: nothing to keep open
+            link.close()
+            raise
         if group.rank == 0:
             link.keep_alive(shared.info.heartbeat_interval_s, data_parallel)
         return sync
