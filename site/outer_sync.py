@@ -184,7 +184,9 @@ class FragmentSync:
     def name(self, round_: int) -> str:
         """How logs name one of this fragment's rounds."""
         return (
-            f"round {round_}" if len(self.owner.fragments) == 1 else f"fragment {self.index} round {round_}"
+            f"round {round_}"
+            if self.owner.schedule.fragments == 1
+            else f"fragment {self.index} round {round_}"
         )
 
     # -- one fragment round -----------------------------------------------------------------
