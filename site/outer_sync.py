@@ -256,6 +256,8 @@ class FragmentSync:
             return
         # refused, or ranks pulled different states: rejoin; lost or failed: push again
         resync = outcome in (Outcome.OK, Outcome.RESYNC)
+        if outcome is Outcome.PUSH_AGAIN:
+            log.warning("%s: the coordinator lost this contribution; pushing again", self.name(round_))
         pulled, caught_up = self.exchange(round_, flight.chunks, tokens, flight.data, resync=resync)
         self.merge(round_, pulled, tokens, caught_up=caught_up)
 
