@@ -160,7 +160,8 @@ class LocalLink:
                 try:
                     self._run(self._heartbeat())
                 except Resync:
-                    self.join(world_size)  # the lease lapsed: be counted as live again
+                    with contextlib.suppress(LinkError):  # tried again at the next beat
+                        self.join(world_size)  # the lease lapsed: be counted as live again
                 except LinkError:
                     pass
 

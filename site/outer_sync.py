@@ -184,7 +184,9 @@ class FragmentSync:
     def name(self, round_: int) -> str:
         """How logs name one of this fragment's rounds."""
         return (
-            f"round {round_}" if len(self.owner.fragments) == 1 else f"fragment {self.index} round {round_}"
+            f"round {round_}"
+            if self.owner.schedule.fragments == 1
+            else f"fragment {self.index} round {round_}"
         )
 
     # -- one fragment round -----------------------------------------------------------------
@@ -254,6 +256,8 @@ class FragmentSync:
             return
         # refused, or ranks pulled different states: rejoin; lost or failed: push again
         resync = outcome in (Outcome.OK, Outcome.RESYNC)
+        if outcome is Outcome.PUSH_AGAIN:
+            log.warning("%s: the coordinator lost this contribution; pushing again", self.name(round_))
         pulled, caught_up = self.exchange(round_, flight.chunks, tokens, flight.data, resync=resync)
         self.merge(round_, pulled, tokens, caught_up=caught_up)
 
@@ -556,7 +560,11 @@ class OuterSync:
         assert isinstance(shared, Joined)
         if group.rank != 0:
             link.adopt(shared.info.run_id, shared.info.key_id)
-        sync = cls(link, shared, group, data_parallel)
+        try:
+            sync = cls(link, shared, group, data_parallel)
+        except RuntimeError:  # a run this coordinator cannot serve: nothing to keep open
+            link.close()
+            raise
         if group.rank == 0:
             link.keep_alive(shared.info.heartbeat_interval_s, data_parallel)
         return sync

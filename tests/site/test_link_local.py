@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -189,3 +190,36 @@ def test_late_fragment_is_dropped_counted_and_caught_up(
         assert torch.equal(_snapshot(out["site-b"]["sync"]), theta)
         assert torch.equal(_snapshot(out["site-a"]["sync"]), theta)
         assert all(h.hashes_agree for c in coordinator.controller.fragments for h in c.history)
+
+
+class LosesOnePush:
+    """A link whose push of one fragment round never reaches the coordinator (as when the
+    coordinator restarts before it commits): a fault placed at (site, fragment, round)."""
+
+    def __init__(self, link: Any, fragment: int, round_: int) -> None:
+        self.link, self.at, self.lost = link, (fragment, round_), 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.link, name)
+
+    def push(self, fragment: int, round_: int, *args: Any, **kwargs: Any) -> None:
+        if (fragment, round_) == self.at and not self.lost:
+            self.lost += 1
+            return
+        self.link.push(fragment, round_, *args, **kwargs)
+
+
+@pytest.mark.parametrize(("fragments", "overlap"), [(1, 0), (2, 1)])
+def test_a_lost_push_is_pushed_again(fragments: int, overlap: int, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="geodiloco.site")
+    cfg = config(fragments, overlap)
+    with coordinator_for(cfg) as coordinator:
+        lossy = LosesOnePush(coordinator.link("site-b"), 0, 1)
+        real_link = coordinator.link
+        coordinator.link = lambda name: lossy if name == "site-b" else real_link(name)  # type: ignore[method-assign]
+        out = run_sites(coordinator)
+        assert lossy.lost == 1 and "the coordinator lost this contribution; pushing again" in caplog.text
+        for c in coordinator.controller.fragments:
+            assert all(h.contributors == ["site-a", "site-b"] and h.hashes_agree for h in c.history)
+        theta = coordinator.controller.theta()
+        assert all(torch.equal(_snapshot(site["sync"]), theta) for site in out.values())
