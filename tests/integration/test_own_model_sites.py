@@ -1,5 +1,6 @@
-"""Users' own models at real sites: a Hugging Face Llama trained by a DDP site and an FSDP2 site
-(hashes agree every round), then exported and read back by transformers with the coordinator's
+"""Users' own models at real sites: a Hugging Face Llama trained by a DDP site and an FSDP2 +
+tensor-parallel site (FSDP2 per decoder layer, attention heads and MLP split across 2 ranks;
+hashes agree every round), then exported and read back by transformers with the coordinator's
 logits; and a site whose builders do not load leaves with one line, before training."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ ROUNDS = 2
 TESTS = Path(__file__).resolve().parents[1]
 
 
-def test_a_hf_llama_trains_at_a_ddp_and_an_fsdp_site_and_exports_to_the_same_logits(
+def test_a_hf_llama_trains_at_a_ddp_and_an_fsdp_tp_site_and_exports_to_the_same_logits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -49,7 +50,7 @@ def test_a_hf_llama_trains_at_a_ddp_and_an_fsdp_site_and_exports_to_the_same_log
     coordinator, target = start_coordinator_process(cfg, tmp_path)
     sites = []
     try:
-        for name, nproc, layout in (("site-1", 1, "ddp"), ("site-2", 2, "fsdp")):
+        for name, nproc, layout in (("site-1", 1, "ddp"), ("site-2", 4, "fsdp+tp")):
             args = ["site", "run", "--name", name, "--coordinator", target, "--insecure"]
             sites.append(
                 spawn_geodiloco([*args, "--nproc", str(nproc), "--layout", layout], tmp_path / f"{name}.log")
@@ -59,7 +60,8 @@ def test_a_hf_llama_trains_at_a_ddp_and_an_fsdp_site_and_exports_to_the_same_log
         status = fetch_status(target, None)
         assert status.finished and [h.round for h in status.history] == list(range(ROUNDS))
         for record in status.history:
-            assert record.hash_reports == 2 and record.hashes_agree  # DDP == FSDP2, bit for bit
+            assert record.hash_reports == 2 and record.hashes_agree  # DDP == FSDP2 + TP, bit for bit
+        assert "layout: fsdp+tp over 4 ranks" in (tmp_path / "site-2.log").read_text()
         losses = [h.eval_loss for h in status.history]
         assert losses[-1] < losses[0], losses
         request_shutdown(target, None)

@@ -1,4 +1,5 @@
-"""The reference workload: a byte-level GPT on the standard library's sources."""
+"""The reference workload (a byte-level GPT on the standard library's sources) and the adapter
+that brings users' datasets to the data ledger (:class:`DataSource`)."""
 
 from geodiloco.workload.data import (
     Corpus,
@@ -9,6 +10,7 @@ from geodiloco.workload.data import (
     load_corpus,
     rank_batch,
 )
+from geodiloco.workload.datasets import DataSource
 from geodiloco.workload.model import ByteGPT, GPTConfig, build_model
 from geodiloco.workload.steps import evaluate, inner_step, make_inner_optimizer
 
@@ -17,6 +19,7 @@ __all__ = [
     "Corpus",
     "DataRange",
     "DataShards",
+    "DataSource",
     "GPTConfig",
     "build_model",
     "eval_slice",

@@ -222,7 +222,9 @@ class ItemData:
             n = _length(self.source.train, "the dataset")
             if draws.numel() and (int(draws.min()) < 0 or int(draws.max()) >= n):
                 _refuse(f"workload.data: the sampler drew an index outside the dataset's {n} items")
-            self._draws = {epoch: draws}  # one pass at a time is enough
+            self._draws[epoch] = draws
+            if len(self._draws) > 2:  # keep the latest two: a round may read shards in two passes
+                del self._draws[min(self._draws)]
         return self._draws[epoch]
 
     def _collate(self, items: list[Any]) -> Batch:
