@@ -106,13 +106,15 @@ def _exchange(x: torch.Tensor, receive: list[int], send: list[int], group: Proce
 
 def _source_to_expert_order(by_source: torch.Tensor) -> torch.Tensor:
     """Rows received grouped by (source rank, local expert), reordered by (local expert, source)."""
-    sizes = by_source.flatten()
-    starts = torch.cumsum(sizes, 0) - sizes
-    sources, local = by_source.shape
+    sizes = by_source.tolist()  # one copy to the host, then plain integers
+    starts, at = [], 0
+    for row in sizes:
+        starts.append([at + sum(row[:e]) for e in range(len(row))])
+        at += sum(row)
     pieces = [
-        torch.arange(int(starts[s * local + e]), int(starts[s * local + e] + sizes[s * local + e]))
-        for e in range(local)
-        for s in range(sources)
+        torch.arange(starts[s][e], starts[s][e] + sizes[s][e])
+        for e in range(by_source.shape[1])
+        for s in range(by_source.shape[0])
     ]
     return torch.cat(pieces).to(by_source.device)
 
