@@ -29,20 +29,22 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from geodiloco.config import ConfigError
 from geodiloco.workload.moe import GroupedExperts
 
 EXPERT_DIMS = ("ep_replicate", "ep")
 
 
-class ExpertParallelError(ValueError):
-    """A model or layout that expert parallelism cannot split."""
+class ExpertParallelError(ConfigError):
+    """A model that the layout's expert parallelism cannot split (a config error: the site's
+    ranks leave with one line naming it)."""
 
 
 def expert_mesh(ep: int, device_type: str) -> DeviceMesh:
     """The site's ranks as ``(ep_replicate, ep)``: consecutive ranks share out the experts."""
     world = dist.get_world_size()
     if ep < 1 or world % ep:
-        raise ExpertParallelError(f"layout: ep {ep} must divide the site's {world} ranks")
+        raise ValueError(f"layout: ep {ep} must divide the site's {world} ranks")
     return init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=EXPERT_DIMS)
 
 
@@ -124,12 +126,12 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, data_parallel: int
     tokens with all-to-alls; returns the number of layers split. Call before DDP wraps ``model``:
     the experts are left out of DDP's all-reduce (their gradients are reduced here, averaged over
     the ``data_parallel`` ranks as DDP averages the rest)."""
-    ep = mesh["ep"]
-    size = ep.size()
-    replicas = mesh["ep_replicate"].get_group() if mesh["ep_replicate"].size() > 1 else None
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
     if not layers:
         raise ExpertParallelError("layout: ep > 1 needs a mixture-of-experts model (set model.experts)")
+    ep = mesh["ep"]
+    size = ep.size()
+    replicas = mesh["ep_replicate"].get_group() if mesh["ep_replicate"].size() > 1 else None
     ignored = []
     for name, experts in layers:
         count = experts.w_in.shape[0]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -16,14 +16,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from geodiloco.config import ModelConfig
+from geodiloco.config import ConfigError, ModelConfig
 from geodiloco.params import flatten_parameters
-from geodiloco.site.experts import _source_to_expert_order
+from geodiloco.site.experts import _source_to_expert_order, apply_expert_parallel
 from geodiloco.site.layout import LayoutError, ParallelConfig, build_mesh, parallelize
 from geodiloco.site.shards import ShardMap
 from geodiloco.workload.loss import cross_entropy
+from geodiloco.workload.model import build_model
 from geodiloco.workload.moe import build_moe, hold_unreached
 from geodiloco.workload.steps import evaluate_batches
 from helpers import free_port
@@ -54,6 +56,12 @@ def test_layouts_with_experts_parse_and_refuse_by_name() -> None:
         ParallelConfig.parse("dp_shard=2,ep=2", 2)
     with pytest.raises(LayoutError, match="ep=N"):
         ParallelConfig.parse("experts=2", 2)
+
+
+def test_a_dense_model_under_ep_is_a_config_error_naming_the_setting() -> None:
+    dense = build_model(ModelConfig(n_layer=1, n_head=2, d_model=16, seq_len=8), seed=0)
+    with pytest.raises(ConfigError, match=r"ep > 1 needs a mixture-of-experts model \(set model\.experts\)"):
+        apply_expert_parallel(dense, cast(DeviceMesh, None), data_parallel=2)  # refused before any mesh
 
 
 def _rank_main(rank: int, world: int, port: int, layout: str, ckpt: str, out: Any) -> None:
