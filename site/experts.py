@@ -29,20 +29,22 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from geodiloco.config import ConfigError
 from geodiloco.workload.moe import GroupedExperts
 
 EXPERT_DIMS = ("ep_replicate", "ep")
 
 
-class ExpertParallelError(ValueError):
-    """A model or layout that expert parallelism cannot split."""
+class ExpertParallelError(ConfigError):
+    """A model that the layout's expert parallelism cannot split (a config error: the site's
+    ranks leave with one line naming it)."""
 
 
 def expert_mesh(ep: int, device_type: str) -> DeviceMesh:
     """The site's ranks as ``(ep_replicate, ep)``: consecutive ranks share out the experts."""
     world = dist.get_world_size()
     if ep < 1 or world % ep:
-        raise ExpertParallelError(f"layout: ep {ep} must divide the site's {world} ranks")
+        raise ValueError(f"layout: ep {ep} must divide the site's {world} ranks")
     return init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=EXPERT_DIMS)
 
 
@@ -106,13 +108,15 @@ def _exchange(x: torch.Tensor, receive: list[int], send: list[int], group: Proce
 
 def _source_to_expert_order(by_source: torch.Tensor) -> torch.Tensor:
     """Rows received grouped by (source rank, local expert), reordered by (local expert, source)."""
-    sizes = by_source.flatten()
-    starts = torch.cumsum(sizes, 0) - sizes
-    sources, local = by_source.shape
+    sizes = by_source.tolist()  # one copy to the host, then plain integers
+    starts, at = [], 0
+    for row in sizes:
+        starts.append([at + sum(row[:e]) for e in range(len(row))])
+        at += sum(row)
     pieces = [
-        torch.arange(int(starts[s * local + e]), int(starts[s * local + e] + sizes[s * local + e]))
-        for e in range(local)
-        for s in range(sources)
+        torch.arange(starts[s][e], starts[s][e] + sizes[s][e])
+        for e in range(by_source.shape[1])
+        for s in range(by_source.shape[0])
     ]
     return torch.cat(pieces).to(by_source.device)
 
@@ -122,12 +126,12 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, data_parallel: int
     tokens with all-to-alls; returns the number of layers split. Call before DDP wraps ``model``:
     the experts are left out of DDP's all-reduce (their gradients are reduced here, averaged over
     the ``data_parallel`` ranks as DDP averages the rest)."""
-    ep = mesh["ep"]
-    size = ep.size()
-    replicas = mesh["ep_replicate"].get_group() if mesh["ep_replicate"].size() > 1 else None
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
     if not layers:
         raise ExpertParallelError("layout: ep > 1 needs a mixture-of-experts model (set model.experts)")
+    ep = mesh["ep"]
+    size = ep.size()
+    replicas = mesh["ep_replicate"].get_group() if mesh["ep_replicate"].size() > 1 else None
     ignored = []
     for name, experts in layers:
         count = experts.w_in.shape[0]

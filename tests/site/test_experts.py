@@ -1,23 +1,31 @@
 """Expert parallelism over real gloo process groups: tokens reach their experts on other ranks
-and come back, gradients match one process training on every rank's batch, and each expert
-element is owned by exactly one rank for the outer sync."""
+and come back, gradients match one process training on every rank's batch, each expert
+element is owned by exactly one rank for the outer sync, and a DCP checkpoint of the sharded
+experts loads into a model held whole."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+import warnings
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-from geodiloco.config import ModelConfig
+from geodiloco.config import ConfigError, ModelConfig
 from geodiloco.params import flatten_parameters
-from geodiloco.site.experts import _source_to_expert_order
+from geodiloco.site.experts import _source_to_expert_order, apply_expert_parallel
 from geodiloco.site.layout import LayoutError, ParallelConfig, build_mesh, parallelize
 from geodiloco.site.shards import ShardMap
 from geodiloco.workload.loss import cross_entropy
+from geodiloco.workload.model import build_model
 from geodiloco.workload.moe import build_moe, hold_unreached
 from geodiloco.workload.steps import evaluate_batches
 from helpers import free_port
@@ -50,7 +58,13 @@ def test_layouts_with_experts_parse_and_refuse_by_name() -> None:
         ParallelConfig.parse("experts=2", 2)
 
 
-def _rank_main(rank: int, world: int, port: int, layout: str, out: Any) -> None:
+def test_a_dense_model_under_ep_is_a_config_error_naming_the_setting() -> None:
+    dense = build_model(ModelConfig(n_layer=1, n_head=2, d_model=16, seq_len=8), seed=0)
+    with pytest.raises(ConfigError, match=r"ep > 1 needs a mixture-of-experts model \(set model\.experts\)"):
+        apply_expert_parallel(dense, cast(DeviceMesh, None), data_parallel=2)  # refused before any mesh
+
+
+def _rank_main(rank: int, world: int, port: int, layout: str, ckpt: str, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -76,6 +90,12 @@ def _rank_main(rank: int, world: int, port: int, layout: str, out: Any) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         hold_unreached(model, optimizer)
         optimizer.step()  # a step on the sharded experts
+        model_state, _ = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state}, checkpoint_id=ckpt)
+        stepped = {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).tolist()
+            for n, p in model.named_parameters()
+        }
         shards = ShardMap(model, rank, world)
         out.put(
             {
@@ -88,6 +108,7 @@ def _rank_main(rank: int, world: int, port: int, layout: str, out: Any) -> None:
                 "num_params": shards.num_params,
                 "eval": (eval_sum, eval_rows),
                 "logits_agree": bool(torch.allclose(trained_logits, eval_logits, atol=1e-6)),
+                "stepped": stepped,
             }
         )
     finally:
@@ -102,11 +123,12 @@ def _initial_pieces(shards: ShardMap) -> list[torch.Tensor]:
     return targets
 
 
-def _run(layout: str, world: int) -> list[dict[str, Any]]:
+def _run(layout: str, world: int, ckpt: Path) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, layout, out)) for r in range(world)]
+    args = [(r, world, port, layout, str(ckpt), out) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=a) for a in args]
     for p in procs:
         p.start()
     results = sorted((out.get(timeout=180) for _ in procs), key=lambda r: r["rank"])
@@ -118,8 +140,8 @@ def _run(layout: str, world: int) -> list[dict[str, Any]]:
 
 @pytest.mark.integration
 @pytest.mark.parametrize(("layout", "world"), [("ep", 2), ("dp_replicate=4,ep=2", 4)])
-def test_expert_parallel_matches_one_process_on_all_batches(layout: str, world: int) -> None:
-    results = _run(layout, world)
+def test_expert_parallel_matches_one_process_on_all_batches(tmp_path: Path, layout: str, world: int) -> None:
+    results = _run(layout, world, tmp_path / "ckpt")
     ep = 2
     # one process, every rank's batch: the mean of the ranks' gradients, as DDP averages (each
     # backward carries its own forward's load-balancing loss, so they are taken one by one)
@@ -149,3 +171,12 @@ def test_expert_parallel_matches_one_process_on_all_batches(layout: str, world: 
     for r in results:
         assert r["owned_before"] == flat[r["owned"]].tolist()  # and where the canonical vector has it
         assert r["local"] < n  # a rank holds only its experts
+    # the sharded experts' DCP checkpoint loads into one process holding the whole model
+    plain = build_moe(MODEL, seed=9)
+    state = {k: v.detach().clone() for k, v in plain.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": state}, checkpoint_id=str(tmp_path / "ckpt"))
+    plain.load_state_dict(state)
+    for name, p in plain.named_parameters():
+        assert p.tolist() == results[0]["stepped"][name], name

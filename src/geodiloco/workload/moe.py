@@ -149,7 +149,8 @@ class MoEBlock(nn.Module):
 
 class _CarryLoss(torch.autograd.Function):
     """Identity on ``x`` whose backward also sends a gradient of 1 into ``loss``: the loss is
-    minimised with whatever loss the caller computes from ``x``."""
+    minimised with whatever loss the caller computes from ``x``, once per forward (as if added
+    to that forward's loss; data parallelism averages it over ranks like the rest)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
