@@ -15,8 +15,19 @@ class ErrorFeedback:
     """
 
     def __init__(self, numel: int, decay: float = 1.0) -> None:
-        self.residual = torch.zeros(numel, dtype=torch.float32)
+        self.numel = numel
+        self._residual: torch.Tensor | None = None  # zeros, made when first used (not on a restore)
         self.decay = decay
+
+    @property
+    def residual(self) -> torch.Tensor:
+        if self._residual is None:
+            self._residual = torch.zeros(self.numel, dtype=torch.float32)
+        return self._residual
+
+    @residual.setter
+    def residual(self, value: torch.Tensor) -> None:
+        self._residual = value
 
     def compensate(self, value: torch.Tensor) -> torch.Tensor:
         """The value to send this time: the new value plus (decayed) what earlier sends dropped."""
@@ -32,4 +43,11 @@ class ErrorFeedback:
         return {"residual": self.residual}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.residual.copy_(state["residual"])
+        """Take the saved residual (a tensor of the right size is adopted, not copied)."""
+        saved = state["residual"]
+        if saved.shape != (self.numel,):
+            raise ValueError(f"residual has shape {tuple(saved.shape)}, expected ({self.numel},)")
+        if self._residual is None or self._residual.device == saved.device:
+            self._residual = saved.detach().to(torch.float32)
+        else:
+            self._residual.copy_(saved)

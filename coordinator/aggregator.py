@@ -61,10 +61,17 @@ class WeightedMean:
     """Σ w_k Δ_k / Σ w_k, accumulated as contributions arrive (w_k = tokens trained on)."""
 
     def __init__(self, numel: int) -> None:
-        self.total = torch.zeros(numel, dtype=torch.float32)
+        self.numel = numel
+        self._total: torch.Tensor | None = None  # made at the first fold: a restart need not wait for it
         self.weight = 0
         self.contributors: list[str] = []
         self.tokens: dict[str, int] = {}
+
+    @property
+    def total(self) -> torch.Tensor:
+        if self._total is None:
+            self._total = torch.zeros(self.numel, dtype=torch.float32)
+        return self._total
 
     def add(self, site: str, delta: torch.Tensor, tokens: int) -> None:
         self.fold(site, TensorContribution(delta), tokens)

@@ -146,7 +146,7 @@ class RoundController:
         theta = initial if initial is not None else state["theta"]  # type: ignore[index]
         self.shard_sizes = list(shard_sizes)
         self.ledger = DataLedger.create(self.shard_sizes, cfg.sites)
-        self.theta = theta.detach().to(torch.float32).clone()
+        self.theta = theta if initial is None else theta.detach().to(torch.float32).clone()  # loaded: ours
         self.num_params = self.theta.numel()
         self.round = 0
         self.optimizer = build_outer_optimizer(cfg.outer)
@@ -655,7 +655,7 @@ class RoundController:
         self.theta_norm = math.sqrt(sum_of_squares(self.theta))
         self.round = int(state["round"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.downlink_feedback.residual.copy_(state["downlink_residual"])
+        self.downlink_feedback.load_state_dict({"residual": state["downlink_residual"]})
         self.hashes = {int(k): v for k, v in state["hashes"].items()}
         self.history = [RoundRecord(**h) for h in state["history"]]
         self.ledger = DataLedger.from_state_dict(state["ledger"])
