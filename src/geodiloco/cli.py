@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from geodiloco import __version__
+from geodiloco.errors import ConfigError
 from geodiloco.logs import FORMAT_ENV, FORMATS, setup_logging
 
 if TYPE_CHECKING:
@@ -626,7 +627,6 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from geodiloco.config import ConfigError  # imports torch: only once a command will run
 
     if args.log_format:  # torchrun's ranks and the demo's processes inherit it
         os.environ[FORMAT_ENV] = args.log_format
