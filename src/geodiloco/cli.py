@@ -397,9 +397,10 @@ def _site_run(args: argparse.Namespace) -> int:
         _check_certificates(tls, args.coordinator, role="site", name=args.name)
     if args.secret is None and not args.insecure:
         raise UsageError("--secret is required: the coordinator seals payloads (site-NAME.secret)")
+    secret = None
     if args.secret is not None:
         try:
-            load_secret(args.secret)
+            secret = load_secret(args.secret)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     from geodiloco.site.launcher import Nodes, NodesError
@@ -433,7 +434,7 @@ def _site_run(args: argparse.Namespace) -> int:
     from geodiloco.security.admission import NotAdmitted, check_admitted
 
     try:  # before torchrun, so a refusal is one line rather than a rank's traceback
-        check_admitted(args.coordinator, args.name, tls)
+        check_admitted(args.coordinator, args.name, tls, secret)
     except NotAdmitted as exc:
         raise UsageError(str(exc)) from None
     return run_site(args.coordinator, args.name, args.nproc, tls, args.secret, extra, nodes)
@@ -532,7 +533,7 @@ def _export(args: argparse.Namespace) -> int:
     from geodiloco.export import ExportError, export
 
     config = args.config
-    if config is None:  # a demo's run directory holds the run's config
+    if config is None:  # a coordinator's (or a demo's) run directory holds the run's config
         config = args.run_dir / "config.json"
         if not config.is_file():
             raise UsageError(f"--config: give the run's config ({args.run_dir} holds no config.json)")
