@@ -116,7 +116,7 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             record = None
         if not isinstance(record, dict):
-            raise CorruptStateError(f"{path}: line {number} is not a JSON object: {line[:80]!r}")
+            raise CorruptStateError(f"{path}:{number}: not JSON (not a whole record): {line[:80]!r}")
         records.append(record)
     return records
 

@@ -73,39 +73,42 @@ class DataLedger:
     def _take(self, site: str, windows: int) -> list[DataRange]:
         ranges: list[DataRange] = []
         while windows > 0:
-            index, start, epoch = self._next_shard(site, ranges)
+            index, start, stop, epoch = self._next_shard(site, ranges)
             shard = self.shards[index]
-            take = min(windows, shard.size - start)
+            take = min(windows, stop - start)
             ranges.append(DataRange(index, start, start + take, epoch))
             windows -= take
             if start + take == shard.size:
                 shard.owner = None  # fully reserved: the next round continues elsewhere
         return ranges
 
-    def _next_shard(self, site: str, ranges: list[DataRange]) -> tuple[int, int, int]:
-        """Where the site's next windows start (shard, window, epoch): a shard it owns with
-        windows left, else one from the pool, else its own shard's next epoch, else another
-        site's, else the next epoch of a used-up one."""
+    def _next_shard(self, site: str, ranges: list[DataRange]) -> tuple[int, int, int, int]:
+        """Where the site's next windows are (shard, first window, window to stop before, epoch):
+        a shard it owns with windows left, else one from the pool, else its own shard's next
+        epoch, else another site's, else the next epoch of a used-up one."""
         mine = {r.shard for r in ranges}
         reserved = mine | {r.shard for held in self.reservations.values() for r in held}
         for want_owner in (site, None):
             for i, shard in enumerate(self.shards):
                 if shard.owner == want_owner and shard.consumed < shard.size and i not in reserved:
                     shard.owner = site
-                    return i, shard.consumed, shard.epoch
+                    return i, shard.consumed, shard.size, shard.epoch
         # the shard this reservation just used up continues into its next epoch. Without this,
         # a site whose shard runs dry mid-round takes another live site's shard, and with as
-        # many shards as sites the last of them finds none (issue 16: `data.shards == sites`)
+        # many shards as sites the last of them finds none (issue 16: `data.shards == sites`).
+        # It stops where this reservation began in the shard: no window twice in one round.
         if ranges and ranges[-1].end == self.shards[ranges[-1].shard].size:
             last = ranges[-1]
-            self.shards[last.shard].owner = site
-            return last.shard, 0, last.epoch + 1
+            began = next(r.start for r in ranges if r.shard == last.shard)
+            if began > 0:
+                self.shards[last.shard].owner = site
+                return last.shard, 0, began, last.epoch + 1
         # a large site can outrun its own shards: continue another site's, rather than start an
         # epoch early (cursors only move forward, so every window is still consumed once)
         for i, shard in enumerate(self.shards):
             if shard.consumed < shard.size and i not in reserved:
                 shard.owner = site
-                return i, shard.consumed, shard.epoch
+                return i, shard.consumed, shard.size, shard.epoch
         # every shard is used up (or reserved): start the next pass over the least-recent one
         candidates = [i for i, s in enumerate(self.shards) if s.consumed == s.size and i not in reserved]
         if not candidates:
@@ -116,7 +119,7 @@ class DataLedger:
         index = min(candidates, key=lambda i: (self.shards[i].epoch, i))
         shard = self.shards[index]
         shard.consumed, shard.epoch, shard.owner = 0, shard.epoch + 1, site
-        return index, 0, shard.epoch
+        return index, 0, shard.size, shard.epoch
 
     def settle(self, round_: int, contributors: set[str]) -> None:
         """At commit: contributors' reservations become consumed, the others are released."""

@@ -43,6 +43,7 @@ from geodiloco.coordinator.replay import apply_update
 from geodiloco.coordinator.reports import REPORT_LOG, HashReport, append_report, read_reports
 from geodiloco.coordinator.rounds_pool import WORKERS
 from geodiloco.coordinator.rundir import ROUND_LOG as ROUND_LOG
+from geodiloco.coordinator.rundir import check_run_config
 from geodiloco.coordinator.updatelog import LoggedUpdate, logged_rounds, prune, read_update, write_update
 from geodiloco.params import Checksum, state_hash
 from geodiloco.security.sealing import Sealer
@@ -140,6 +141,7 @@ class RoundController:
         state = None
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
+            check_run_config(run_dir, cfg)  # before the state: a changed run_id is named as such
             state = load_state(run_dir / STATE_FILE, sealer)
         if initial is None and state is None:
             raise StateError(f"no saved state in {run_dir} to resume, and no initial parameters given")
@@ -190,6 +192,10 @@ class RoundController:
             self._sync_round_log()
             for report in read_reports(run_dir / REPORT_LOG):
                 self._apply_report(report)
+            if self.finished:  # the run was over before this restart: its sites left, none is lost
+                for record in self.sites.values():
+                    if record.state == "joined":
+                        record.state = "left"
 
     def _replay(self) -> int:
         """Apply the rounds logged after the snapshot, each checked against the hash chain;

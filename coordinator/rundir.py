@@ -17,14 +17,25 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from geodiloco.coordinator.errors import StateError
+from geodiloco.coordinator.errors import CorruptStateError, StateError
+
+if TYPE_CHECKING:
+    from geodiloco.config import RunConfig
 
 STATE_FILE = "coordinator.state"  # the last snapshot (durable.save_state)
 ROUND_LOG = "rounds.jsonl"  # one line per committed round, hash-chained
 REPORT_LOG = "reports.jsonl"  # the sites' hash reports and eval losses
 EVENTS_FILE = "events.jsonl"  # what each site did in each round (telemetry)
 LOCK_FILE = "coordinator.lock"
+RUN_CONFIG = "config.json"  # the run's config as it started (read by `geodiloco export` too)
+# what a resumed run may not change: its data (the ledger's shards and windows) and its sites
+FIXED_ON_RESUME = ("data.shards", "data.max_bytes", "data.paths", "sites")
+
+
+class ConfigDrift(StateError):
+    """A resume under a config that changes the run's identity, data or membership."""
 
 
 class RunDirInUse(StateError):
@@ -74,3 +85,40 @@ def _holder(fd: int) -> str:
         return f"pid {int(info['pid'])} on host {info['host']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "pid and host unknown: the holder has not written them yet"
+
+
+def check_run_config(run_dir: Path, cfg: RunConfig) -> None:
+    """Save the run's config on its first start; on a resume, refuse a config that names another
+    run or changes a field of :data:`FIXED_ON_RESUME`, naming it (the ledger, the shards each
+    site reads and the membership were all built from them)."""
+    path = run_dir / RUN_CONFIG
+    current = json.loads(cfg.to_json())
+    if not path.exists():
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(cfg.to_json() + "\n")
+        os.replace(tmp, path)
+        return
+    try:
+        saved = json.loads(path.read_text())
+        saved_id = saved["run_id"]
+    except (ValueError, KeyError, TypeError):
+        raise CorruptStateError(f"{path}: not the run config a coordinator saved") from None
+    if saved_id != cfg.run_id:
+        raise ConfigDrift(
+            f"the state in {run_dir} belongs to run {saved_id!r}, not {cfg.run_id!r}: run_id changed "
+            f"in the config; set run_id = {saved_id!r} to resume it, or give the new run another --run-dir"
+        )
+    for name in FIXED_ON_RESUME:
+        before, now = _field(saved, name), _field(current, name)
+        if before != now:
+            raise ConfigDrift(
+                f"{name}: {before!r} when run {saved_id!r} started in {run_dir}, {now!r} now; a resumed "
+                f"run keeps its data and sites: restore {name}, or start a new run in another --run-dir"
+            )
+
+
+def _field(config: dict[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node

@@ -117,3 +117,19 @@ def test_health_says_serving_or_why_not() -> None:
     assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
     down = geodiloco("health", "--target", "127.0.0.1:1")
     assert down.returncode == 1 and "geodiloco health: 127.0.0.1:1: UNAVAILABLE" in down.stderr
+
+
+def test_status_connects_without_loading_the_training_stack() -> None:
+    """`geodiloco status` spent ~7 s (20 s on a loaded machine) importing torch before it
+    dialled: every command imported the config module to catch its errors (issue 16 item 8)."""
+    with CoordinatorThread(tiny_config()) as c:
+        script = (
+            "import sys\nfrom geodiloco import cli\n"
+            f"code = cli.main(['status', '--coordinator', {c.target!r}, '--insecure', '--json'])\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', file=sys.stderr)\n"
+            "sys.exit(code)\n"
+        )
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["run_id"] == "test-run"
+    assert "torch not loaded" in done.stderr

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from geodiloco import __version__
+from geodiloco.errors import ConfigError
 from geodiloco.logs import FORMAT_ENV, FORMATS, setup_logging
 
 if TYPE_CHECKING:
@@ -399,9 +400,10 @@ def _site_run(args: argparse.Namespace) -> int:
         _check_certificates(tls, args.coordinator, role="site", name=args.name)
     if args.secret is None and not args.insecure:
         raise UsageError("--secret is required: the coordinator seals payloads (site-NAME.secret)")
+    secret = None
     if args.secret is not None:
         try:
-            load_secret(args.secret)
+            secret = load_secret(args.secret)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     from geodiloco.site.launcher import Nodes, NodesError
@@ -435,7 +437,7 @@ def _site_run(args: argparse.Namespace) -> int:
     from geodiloco.security.admission import NotAdmitted, check_admitted
 
     try:  # before torchrun, so a refusal is one line rather than a rank's traceback
-        check_admitted(args.coordinator, args.name, tls)
+        check_admitted(args.coordinator, args.name, tls, secret)
     except NotAdmitted as exc:
         raise UsageError(str(exc)) from None
     return run_site(args.coordinator, args.name, args.nproc, tls, args.secret, extra, nodes)
@@ -534,7 +536,7 @@ def _export(args: argparse.Namespace) -> int:
     from geodiloco.export import ExportError, export
 
     config = args.config
-    if config is None:  # a demo's run directory holds the run's config
+    if config is None:  # a coordinator's (or a demo's) run directory holds the run's config
         config = args.run_dir / "config.json"
         if not config.is_file():
             raise UsageError(f"--config: give the run's config ({args.run_dir} holds no config.json)")
@@ -629,7 +631,6 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from geodiloco.config import ConfigError  # imports torch: only once a command will run
 
     if args.log_format:  # torchrun's ranks and the demo's processes inherit it
         os.environ[FORMAT_ENV] = args.log_format

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from geodiloco.compression import CodecError, parse_pipeline
+from geodiloco.errors import ConfigError as ConfigError
 from geodiloco.workload.model import GPTConfig
 
 if sys.version_info >= (3, 11):
@@ -37,10 +38,6 @@ REFERENCE_INNER = {"lr": 6e-3, "weight_decay": 0.01, "grad_clip": 1.0}
 REFERENCE_DATA_FIELDS = ("paths", "max_bytes", "eval_fraction", "eval_sequences")
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 _BUILDER_REF = re.compile(rf"{_DOTTED}:{_DOTTED}")
-
-
-class ConfigError(ValueError):
-    """A config value that cannot be used; the message names the field."""
 
 
 def _require(cond: bool, field_name: str, message: str) -> None:

@@ -34,7 +34,7 @@ def test_reader_skips_a_line_being_written_without_repairing(tmp_path: Path) -> 
 def test_a_whole_line_that_is_not_json_is_refused_with_its_number(tmp_path: Path) -> None:
     path = tmp_path / "j.jsonl"
     path.write_text('{"a": 1}\n{"a": 2{"a": 3}\n')
-    with pytest.raises(CorruptStateError, match="line 2 is not a JSON object"):
+    with pytest.raises(CorruptStateError, match=":2: not JSON"):
         JsonLines(path, durable=False).open()
 
 

@@ -72,8 +72,8 @@ def test_empty_shards_are_refused() -> None:
 
 @pytest.mark.parametrize(
     ("sizes", "windows"),
-    [([1979, 1979, 1979], 12), ([50, 37, 41], 12), ([10, 10, 10], 25)],
-    ids=["issue-16-config", "uneven", "round-bigger-than-a-shard"],
+    [([1979, 1979, 1979], 12), ([50, 37, 41], 12), ([10, 10, 10], 9)],
+    ids=["issue-16-config", "uneven", "nearly-a-shard-a-round"],
 )
 def test_as_many_shards_as_sites_never_runs_dry(sizes: list[int], windows: int) -> None:
     """`data.shards == sites` (issue 16 item 2): a site whose shard runs out mid-round continues
@@ -98,3 +98,13 @@ def test_a_reservation_wraps_into_its_shards_next_epoch() -> None:
     ledger.settle(1, {"a"})  # b's round was dropped: its cursor stays in epoch 0
     assert ledger.reserve("b", 8) == [DataRange(1, 8, 10, 0), DataRange(1, 0, 6, 1)]
     assert ledger.reserve("a", 8) == [DataRange(0, 6, 10, 1), DataRange(0, 0, 4, 2)]
+
+
+def test_a_wrap_never_hands_out_a_window_twice_in_one_round() -> None:
+    ledger = DataLedger.create([10, 10], ["a", "b"])
+    ledger.reserve("a", 3), ledger.reserve("b", 1)
+    ledger.settle(0, {"a", "b"})
+    # a's shard has 7 windows left and 3 before them: 12 windows are 10 of its own, then b's
+    ranges = ledger.reserve("a", 12)
+    assert ranges[:2] == [DataRange(0, 3, 10, 0), DataRange(0, 0, 3, 1)]
+    assert ranges[2] == DataRange(1, 1, 3, 0)

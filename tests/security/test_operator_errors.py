@@ -41,6 +41,25 @@ def test_site_run_with_a_name_off_the_allow_list_is_one_line(pki: Pki) -> None:
     assert "refuses site 'site-x'" in lines[0] and "is not part of run 'test-run'" in lines[0]
 
 
+def test_site_run_with_the_wrong_secret_is_one_line_and_joins_nobody(pki: Pki, other_pki: Pki) -> None:
+    """The admission probe carries the key proof (issue 16 items 5 and 8): a wrong secret is
+    refused before torchrun starts, in one line, and the site never becomes a member."""
+    from helpers import tiny_config
+
+    files, _ = pki.sites["site-a"]
+    _, wrong = other_pki.sites["site-a"]
+    with secure_coordinator(pki, tiny_config(sites=["site-a", "site-b"])) as c:
+        result = geodiloco(
+            "site", "run", "--name", "site-a", "--coordinator", c.target, "--nproc", "1",
+            "--secret", str(wrong), *tls_args(files),
+        )  # fmt: skip
+        assert all(s.state == "absent" for s in c.controller.sites.values())
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "refuses site 'site-a'" in lines[0] and "does not hold its secret" in lines[0]
+
+
 def test_status_with_a_site_certificate_says_what_it_may_see(pki: Pki) -> None:
     from helpers import tiny_config
 
