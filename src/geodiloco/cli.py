@@ -189,8 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--layout",
         default="ddp",
-        help="parallel layout of the ranks: ddp (default), fsdp, hsdp, tp, fsdp+tp, or "
-        "dp_replicate=R,dp_shard=S,tp=T (product = --nproc x --nnodes)",
+        help="parallel layout of the ranks: ddp (default), fsdp, hsdp, tp, fsdp+tp, ep, or "
+        "pp=P,dp_replicate=R,dp_shard=S,tp=T[,ep=E][,microbatches=M] "
+        "(P x R x S x T = --nproc x --nnodes; ep divides R)",
     )
     run.add_argument(
         "--mixed-precision",
