@@ -262,7 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--site", required=True)
     parser.add_argument("--tls", nargs=3, type=Path, metavar=("CERT", "KEY", "CA"))
     parser.add_argument("--secret", type=Path)
-    parser.add_argument("--layout", default="ddp", help="ddp, fsdp, hsdp, tp, fsdp+tp, ep or pp=P,dp_replicate=R,...")
+    parser.add_argument(
+        "--layout", default="ddp", help="ddp, fsdp, hsdp, tp, fsdp+tp, ep or pp=P,dp_replicate=R,..."
+    )
     parser.add_argument("--mixed-precision", default="fp32", choices=PRECISIONS)
     parser.add_argument("--checkpoint-dir", type=Path)
     parser.add_argument("--checkpoint-every", type=int, default=0)
