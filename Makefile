@@ -29,7 +29,7 @@ demo: setup
 
 test: setup
 	cd $(TS) && npm test --silent
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not integration" tests

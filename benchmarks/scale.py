@@ -16,12 +16,15 @@ Per case, over the measured rounds (the first is left out):
   the whole round is outer-sync overhead);
 - ``floor_s``: the same compressed bytes (every site's push and pull) streamed over a raw
   loopback gRPC stream up and down, plus four ``copy_`` passes over the fp32 model;
-- ``coordinator_peak_rss_bytes``: the coordinator's VmHWM;
+- ``coordinator_peak_rss_bytes``: the coordinator's VmHWM over its whole life, start-up
+  included (its dry step trains a throwaway model once: model, gradient and AdamW state);
+- ``serving_peak_rss_bytes``: its VmHWM from the moment it serves (reset then through
+  ``/proc/PID/clear_refs``) to the last round: what rounds and sites cost;
 - ``max_loop_stall_ms``: the longest Heartbeat round trip of a probe calling every 50 ms;
 - ``disk_bytes_per_round``: bytes of the durable files a commit wrote (its update log file and
   round-log line; no snapshot falls in the measured rounds), next to ``update_bytes``;
-- ``restart_to_serving_s``: SIGKILL after the last round, restart, until a Heartbeat is served
-  (the restart replays every round: no snapshot yet);
+- ``restart_to_serving_s``: SIGKILL after the last round, restart, until a Join is served
+  (the restart loads the snapshot of θ_0 written when the run began and replays every round);
 - ``lease_expiries``: from the coordinator's journal (must be 0).
 """
 
@@ -262,6 +265,11 @@ def start_coordinator(
     return proc, f"127.0.0.1:{port_file.read_text()}"
 
 
+def reset_peak_rss(pid: int) -> None:
+    """Start VmHWM afresh at the current RSS (Linux: ``clear_refs`` 5)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
 def peak_rss(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -295,6 +303,8 @@ def run_case(params: int, sites: int, rounds: int, workdir: Path) -> dict[str, A
     config, run_dir = workdir / "run.json", workdir / "coord"
     config.write_text(cfg.to_json())
     coordinator, target = start_coordinator(config, run_dir, workdir, "coordinator.log")
+    startup_rss = peak_rss(coordinator.pid)
+    reset_peak_rss(coordinator.pid)
     probe = Probe(target, cfg.run_id)
     probe.start()
     outs = [workdir / f"site-{i}.json" for i in range(sites)]
@@ -308,7 +318,8 @@ def run_case(params: int, sites: int, rounds: int, workdir: Path) -> dict[str, A
             if proc.wait(timeout=7200) != 0:
                 raise RuntimeError((workdir / f"site-{i}.log").read_text()[-3000:])
         probe.stop.set()
-        rss = peak_rss(coordinator.pid)
+        rss = max(startup_rss, peak_rss(coordinator.pid))
+        serving_rss = peak_rss(coordinator.pid)
         coordinator.send_signal(signal.SIGKILL)
         coordinator.wait()
         began = time.perf_counter()
@@ -340,6 +351,7 @@ def run_case(params: int, sites: int, rounds: int, workdir: Path) -> dict[str, A
         "overhead_s": round(statistics.median(periods or [ends[0] - per_site[0][0]["t0"]]), 3),
         "floor_s": round(floor, 3),
         "coordinator_peak_rss_bytes": rss,
+        "serving_peak_rss_bytes": serving_rss,
         "max_loop_stall_ms": round(1000 * max(stalls), 1),
         "disk_bytes_per_round": int(statistics.mean(f.stat().st_size for f in update_files) + line_bytes),
         "restart_to_serving_s": round(restart_s, 2),

@@ -1,4 +1,5 @@
-/* Fused int8 blockwise absmax quantisation and its inverse, and the nibble split of int8 codes.
+/* Fused int8 blockwise absmax quantisation and its inverse, the nibble split of int8 codes, and
+ * the parameter checksum's mixing (geodiloco.params.Checksum).
  *
  * Eager torch needs five passes over the input to quantise (amax, amin, scale, round, cast);
  * here each block of `block` floats is read twice while it sits in L1 (absmax, then codes), so
@@ -115,6 +116,29 @@ static void join_nibbles(const uint8_t *hi, const uint8_t *lo, Py_ssize_t n, uin
     }
     if (n & 1)
         u[n - 1] = (uint8_t)((lo[pairs] & 0x0F) | (hi[pairs] << 4));
+}
+
+/* The parameter checksum (geodiloco.params.Checksum): element i of a run starting at canonical
+ * index `first` contributes splitmix64's finaliser of (first + i) * GOLDEN + (its fp32 bits) to
+ * two sums, of the low and of the high 32 bits. Unsigned 64-bit arithmetic wraps exactly as
+ * numpy's uint64 does in the Python path, so both give the same sums; the caller keeps a run
+ * under 2^32 elements so that neither sum can wrap. */
+WIDEST_SIMD
+static void checksum_mix(const float *values, Py_ssize_t n, uint64_t first, uint64_t *low, uint64_t *high)
+{
+    uint64_t lo = 0, hi = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, &values[i], sizeof bits);
+        uint64_t x = (first + (uint64_t)i) * 0x9E3779B97F4A7C15ull + bits;
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+        x ^= x >> 31;
+        lo += x & 0xFFFFFFFFull;
+        hi += x >> 32;
+    }
+    *low = lo;
+    *high = hi;
 }
 
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what)
@@ -260,11 +284,40 @@ static PyObject *join_nibbles_py(PyObject *self, PyObject *args)
     return nibbles(args, 1);
 }
 
+PyDoc_STRVAR(checksum_range_doc,
+             "checksum_range(values, first) -> (low, high)\n\n"
+             "The checksum sums of the fp32 buffer values (fewer than 2^32 elements) whose first\n"
+             "element sits at canonical index first (see geodiloco.params.Checksum).");
+
+static PyObject *checksum_range(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    unsigned long long first;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "OK", &obj, &first))
+        return NULL;
+    if (get_buffer(obj, &view, 0, "values") < 0)
+        return NULL;
+    Py_ssize_t n = view.len / (Py_ssize_t)sizeof(float);
+    if (view.len % (Py_ssize_t)sizeof(float) || (unsigned long long)n >= (1ull << 32)) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "checksum_range: values must be fp32, fewer than 2^32 of them");
+        return NULL;
+    }
+    uint64_t low, high;
+    Py_BEGIN_ALLOW_THREADS
+    checksum_mix((const float *)view.buf, n, (uint64_t)first, &low, &high);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(KK)", (unsigned long long)low, (unsigned long long)high);
+}
+
 static PyMethodDef methods[] = {
     {"quantize_q8", quantize_q8, METH_VARARGS, quantize_q8_doc},
     {"dequantize_q8", dequantize_q8, METH_VARARGS, dequantize_q8_doc},
     {"split_nibbles", split_nibbles_py, METH_VARARGS, split_nibbles_doc},
     {"join_nibbles", join_nibbles_py, METH_VARARGS, join_nibbles_doc},
+    {"checksum_range", checksum_range, METH_VARARGS, checksum_range_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -187,19 +187,20 @@ class Pipeline:
         if self._codes_on_device(x, on_device):
             return self._device_roundtrip(x, place)[0]
         x = x.to("cpu", torch.float32)
-        prefix = b""
+        raw, prefix = self._raw_of(x, place)
+        return self._seal(raw, x.numel(), prefix)
+
+    def _raw_of(self, x: torch.Tensor, place: Place | None) -> tuple[torch.Tensor, bytes]:
+        """The raw bytes (before the entropy stage) of the host fp32 ``x``, and the frame's prefix."""
         if self.sparsifier is None:
-            raw = self.values.encode(x)
-        elif isinstance(self.sparsifier, Cyclic):
+            return self.values.encode(x), b""
+        if isinstance(self.sparsifier, Cyclic):
             require_finite(x)  # dropped elements too: they ride the error feedback
             kept = self.sparsifier.select(place, x.numel())
             assert place is not None
-            prefix = self.sparsifier.prefix(place)
-            raw = self.values.encode(x[kept])
-        else:
-            kept = self.sparsifier.select(x)
-            raw = torch.cat([indices.encode(kept, x.numel()), self.values.encode(x[kept])])
-        return self._seal(raw, x.numel(), prefix)
+            return self.values.encode(x[kept]), self.sparsifier.prefix(place)
+        kept = self.sparsifier.select(x)
+        return torch.cat([indices.encode(kept, x.numel()), self.values.encode(x[kept])]), b""
 
     def _seal(self, raw: torch.Tensor, numel: int, prefix: bytes) -> bytes:
         """Entropy-code the raw bytes (host uint8) and frame them."""
@@ -260,16 +261,39 @@ class Pipeline:
 
     def decode(self, data: bytes, numel: int, place: Place | None = None) -> torch.Tensor:
         """The fp32 tensor of ``numel`` elements in ``data``; CodecError on any inconsistency."""
+        raw, kept = self._unpack(data, numel, place)
+        return self._values(raw, numel, kept)
+
+    def unpack(self, data: bytes, numel: int, place: Place | None = None) -> torch.Tensor:
+        """The frame's raw bytes (its body after the entropy stage: value codes, scales, indices),
+        checked for size; :meth:`decode_raw` gives its values. A receiver that needs the values
+        twice keeps these and undoes the entropy stage once."""
+        return self._unpack(data, numel, place)[0]
+
+    def decode_raw(self, raw: torch.Tensor, numel: int, place: Place | None = None) -> torch.Tensor:
+        """The fp32 values of raw bytes from :meth:`unpack` (or the encoder's, before framing)."""
+        kept = self.sparsifier.select(place, numel) if isinstance(self.sparsifier, Cyclic) else None
+        if raw.numel() != self._body_size(numel, kept):
+            raise CodecError(f"{self.spec}: {raw.numel()} raw bytes, expected {self._body_size(numel, kept)}")
+        return self._values(raw, numel, kept)
+
+    def _body_size(self, numel: int, kept: torch.Tensor | None) -> int:
+        """Raw bytes after any prefix; ``kept``: a cyclic sparsifier's elements at the place."""
+        if kept is not None:
+            return self.values.encoded_size(kept.numel())
+        return self.raw_size(numel)
+
+    def _unpack(
+        self, data: bytes, numel: int, place: Place | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         body = envelope.open_frame(data, self.tag, numel, self.spec)
         kept: torch.Tensor | None = None
         if isinstance(self.sparsifier, Cyclic):
             body = self.sparsifier.check_prefix(body, place)
             kept = self.sparsifier.select(place, numel)
-            size = self.values.encoded_size(kept.numel())
-        else:
-            size = self.raw_size(numel)
+        size = self._body_size(numel, kept)
         if self.splits_nibbles:
-            return self.values.decode(self._join_nibbles(body, size, numel), numel)
+            return self._join_nibbles(body, size, numel), kept
         if self.entropy is not None:
             body = memoryview(self.entropy.decode(body, size))
         elif len(body) != size:
@@ -279,6 +303,10 @@ class Pipeline:
             if size
             else torch.empty(0, dtype=torch.uint8)
         )
+        return raw, kept
+
+    def _values(self, raw: torch.Tensor, numel: int, kept: torch.Tensor | None) -> torch.Tensor:
+        """Values of raw bytes of the right size; ``kept`` as in :meth:`_body_size`."""
         if self.sparsifier is None:
             return self.values.decode(raw, numel)
         if kept is None:
@@ -316,8 +344,15 @@ class Pipeline:
         x = x.detach().reshape(-1)
         if self._codes_on_device(x, on_device):
             return self._device_roundtrip(x, place)
-        data = self.encode(x, place, on_device=False)
-        return data, self.decode(data, x.numel(), place).to(x.device)
+        host = x.to("cpu", torch.float32)
+        raw, prefix = self._raw_of(host, place)
+        data = self._seal(raw, host.numel(), prefix)
+        # the values decoded from the raw bytes the frame holds: what every receiver decodes, without
+        # undoing the entropy stage that was just applied (lossless)
+        values = self.decode_raw(raw, host.numel(), place)
+        if values.untyped_storage().data_ptr() == host.untyped_storage().data_ptr():
+            values = values.clone()  # fp32 codes are x's own bytes: the caller may change x next
+        return data, values.to(x.device)
 
     def error_bound(self, x: torch.Tensor, place: Place | None = None) -> torch.Tensor:
         """Per-element bound on ``|x - roundtrip(x)|``: dropped elements are off by their size."""

@@ -29,6 +29,9 @@ from typing import Any, BinaryIO
 
 import torch
 
+from geodiloco.coordinator.errors import CorruptStateError as CorruptStateError
+from geodiloco.coordinator.errors import StateError as StateError
+from geodiloco.coordinator.rundir import STATE_FILE as STATE_FILE
 from geodiloco.security.sealing import NONCE_BYTES, TAG_BYTES, Sealer, SealError
 
 MAGIC = b"GDLSTAT1"
@@ -38,16 +41,7 @@ _SEALED_HEADER = struct.Struct("<8sIQQ")  # magic, key id, payload length, segme
 _SEGMENT_AAD = struct.Struct("<QQQQ")  # segment index, count and length; payload length
 SEGMENT_BYTES = 64 << 20  # well under AES-GCM's (and the library's) per-call limit
 RAW_MAGIC = b"GDLRAW01"  # a payload of skeleton + raw tensors (earlier: one torch.save)
-STATE_FILE = "coordinator.state"
 STATE_LABEL = "coordinator-state"  # the at-rest key's label and the segments' associated data
-
-
-class StateError(ValueError):
-    """The run directory holds a state this coordinator must not resume from."""
-
-
-class CorruptStateError(StateError):
-    """A state file that is truncated, altered or not a geodiloco state file."""
 
 
 def save_state(path: Path, state: dict[str, Any], sealer: Sealer | None = None) -> None:

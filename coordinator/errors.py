@@ -48,6 +48,12 @@ class PermissionDenied(CoordinatorError):
     status = "PERMISSION_DENIED"
 
 
+class Unauthenticated(CoordinatorError):
+    """A site that cannot prove it holds its secret (a wrong or missing ``--secret``)."""
+
+    status = "UNAUTHENTICATED"
+
+
 class ResourceExhausted(CoordinatorError):
     """Too many requests from one peer (a flood of joins)."""
 
@@ -58,3 +64,11 @@ class DeadlineExceeded(CoordinatorError):
     """A stream that stopped sending, or a wait the coordinator will not extend."""
 
     status = "DEADLINE_EXCEEDED"
+
+
+class StateError(ValueError):
+    """The run directory holds a state this coordinator must not resume from."""
+
+
+class CorruptStateError(StateError):
+    """A state file that is truncated, altered or not a geodiloco state file."""

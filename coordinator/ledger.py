@@ -73,29 +73,39 @@ class DataLedger:
     def _take(self, site: str, windows: int) -> list[DataRange]:
         ranges: list[DataRange] = []
         while windows > 0:
-            index = self._next_shard(site, exclude={r.shard for r in ranges})
+            index, start, epoch = self._next_shard(site, ranges)
             shard = self.shards[index]
-            take = min(windows, shard.size - shard.consumed)
-            ranges.append(DataRange(index, shard.consumed, shard.consumed + take, shard.epoch))
+            take = min(windows, shard.size - start)
+            ranges.append(DataRange(index, start, start + take, epoch))
             windows -= take
-            if shard.consumed + take == shard.size:
+            if start + take == shard.size:
                 shard.owner = None  # fully reserved: the next round continues elsewhere
         return ranges
 
-    def _next_shard(self, site: str, exclude: set[int]) -> int:
-        """A shard the site owns with windows left, else one from the pool (a new epoch if all are used)."""
-        reserved = exclude | {r.shard for ranges in self.reservations.values() for r in ranges}
+    def _next_shard(self, site: str, ranges: list[DataRange]) -> tuple[int, int, int]:
+        """Where the site's next windows start (shard, window, epoch): a shard it owns with
+        windows left, else one from the pool, else its own shard's next epoch, else another
+        site's, else the next epoch of a used-up one."""
+        mine = {r.shard for r in ranges}
+        reserved = mine | {r.shard for held in self.reservations.values() for r in held}
         for want_owner in (site, None):
             for i, shard in enumerate(self.shards):
                 if shard.owner == want_owner and shard.consumed < shard.size and i not in reserved:
                     shard.owner = site
-                    return i
+                    return i, shard.consumed, shard.epoch
+        # the shard this reservation just used up continues into its next epoch. Without this,
+        # a site whose shard runs dry mid-round takes another live site's shard, and with as
+        # many shards as sites the last of them finds none (issue 16: `data.shards == sites`)
+        if ranges and ranges[-1].end == self.shards[ranges[-1].shard].size:
+            last = ranges[-1]
+            self.shards[last.shard].owner = site
+            return last.shard, 0, last.epoch + 1
         # a large site can outrun its own shards: continue another site's, rather than start an
         # epoch early (cursors only move forward, so every window is still consumed once)
         for i, shard in enumerate(self.shards):
             if shard.consumed < shard.size and i not in reserved:
                 shard.owner = site
-                return i
+                return i, shard.consumed, shard.epoch
         # every shard is used up (or reserved): start the next pass over the least-recent one
         candidates = [i for i, s in enumerate(self.shards) if s.consumed == s.size and i not in reserved]
         if not candidates:
@@ -106,7 +116,7 @@ class DataLedger:
         index = min(candidates, key=lambda i: (self.shards[i].epoch, i))
         shard = self.shards[index]
         shard.consumed, shard.epoch, shard.owner = 0, shard.epoch + 1, site
-        return index
+        return index, 0, shard.epoch
 
     def settle(self, round_: int, contributors: set[str]) -> None:
         """At commit: contributors' reservations become consumed, the others are released."""
@@ -117,9 +127,9 @@ class DataLedger:
                     if shard.owner is None and shard.consumed == r.start and shard.epoch == r.epoch:
                         shard.owner = site  # its shard was handed off as full; take it back
                 continue
-            for r in ranges:
+            for r in ranges:  # in order: a range in a shard's next epoch comes last
                 shard = self.shards[r.shard]
-                shard.consumed = r.end
+                shard.consumed, shard.epoch = r.end, r.epoch
                 self.consumed.append(ConsumedRecord(round_, site, r))
         self.reservations.clear()
 

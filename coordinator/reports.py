@@ -9,17 +9,12 @@ per report, fsynced before the site is answered; on restart the lines are applie
 
 from __future__ import annotations
 
-import json
-import logging
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from geodiloco.coordinator.durable import CorruptStateError
-
-log = logging.getLogger("geodiloco.coordinator")
-
-REPORT_LOG = "reports.jsonl"
+from geodiloco.coordinator.errors import CorruptStateError
+from geodiloco.coordinator.journal import JsonLines
+from geodiloco.coordinator.rundir import REPORT_LOG as REPORT_LOG
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,29 +27,22 @@ class HashReport:
     train_loss: float
 
 
+def report_log(path: Path) -> JsonLines:
+    """The reports journal: durable (fsynced before the site is answered)."""
+    return JsonLines(path, durable=True)
+
+
 def append_report(path: Path, report: HashReport) -> None:
-    """One line, written and fsynced in a single append (a crash leaves at most a torn last line)."""
-    line = (json.dumps(asdict(report)) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, line)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """One line, whole and fsynced, or an ``OSError`` and nothing written."""
+    report_log(path).append(asdict(report))
 
 
 def read_reports(path: Path) -> list[HashReport]:
-    """Every complete report in the log; a torn last line (a crash mid-append) is skipped."""
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
+    """Every report in the log, a torn last line (a crash mid-append) truncated away first."""
     reports = []
-    for i, line in enumerate(lines):
+    for i, line in enumerate(report_log(path).open()):
         try:
-            reports.append(HashReport(**json.loads(line)))
-        except (ValueError, TypeError):
-            if i == len(lines) - 1:
-                log.warning("%s: skipping a torn last line (a crash while it was written)", path)
-                continue
-            raise CorruptStateError(f"{path}: line {i + 1} is not a report: {line[:80]!r}") from None
+            reports.append(HashReport(**line))
+        except TypeError:
+            raise CorruptStateError(f"{path}: line {i + 1} is not a report: {str(line)[:80]!r}") from None
     return reports

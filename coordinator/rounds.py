@@ -10,12 +10,13 @@ stays bit-identical.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,11 +36,13 @@ from geodiloco.coordinator.errors import (
     LateContribution,
     PermissionDenied,
 )
+from geodiloco.coordinator.journal import JsonLines
 from geodiloco.coordinator.ledger import DataLedger, LedgerExhausted
 from geodiloco.coordinator.outer_optimizer import NesterovOuter, build_outer_optimizer
 from geodiloco.coordinator.replay import apply_update
 from geodiloco.coordinator.reports import REPORT_LOG, HashReport, append_report, read_reports
 from geodiloco.coordinator.rounds_pool import WORKERS
+from geodiloco.coordinator.rundir import ROUND_LOG as ROUND_LOG
 from geodiloco.coordinator.updatelog import LoggedUpdate, logged_rounds, prune, read_update, write_update
 from geodiloco.params import Checksum, state_hash
 from geodiloco.security.sealing import Sealer
@@ -48,7 +51,6 @@ from geodiloco.workload.data import DataRange
 log = logging.getLogger("geodiloco.coordinator")
 
 FULL_STATE_CODEC = "fp32|zstd:1"
-ROUND_LOG = "rounds.jsonl"
 KEEP_UPDATES = 4  # committed updates kept for sites that fall a round or two behind
 KEEP_DIGESTS = 4  # closed rounds whose accepted pushes' digests are kept, to tell a retry
 
@@ -168,6 +170,7 @@ class RoundController:
         self._logged: int | None = None  # lines in the round log, once read
         self._round_tokens: dict[str, int] = {}
         self.push_digests: dict[tuple[str, int], tuple[bytes, ...]] = {}  # (site, round) -> per part
+        self._transfers: dict[str, int] = {}  # push and pull streams in flight, per site
         self.disk_bytes = 0  # written by the last commit
         self.snapshot_round: int | None = None  # the round of the snapshot on disk
         if run_dir is not None:
@@ -255,6 +258,28 @@ class RoundController:
             raise FailedPrecondition(f"site {name!r} has not joined (state: {record.state}); call Join")
         record.last_seen = time.monotonic()
         return record
+
+    @contextlib.contextmanager
+    def transferring(self, name: str) -> Iterator[None]:
+        """A push or pull stream of ``name`` in progress: the site is alive while it lasts.
+
+        Heartbeats can queue behind a bulk transfer on a slow link (they share its connection),
+        so a long pull must not cost the site its lease: the lease is renewed when the stream
+        starts and ends, and :meth:`tick` does not expire a site with a stream in flight (a
+        dead peer's stream is ended by the keepalive or ``limits.chunk_timeout_s``)."""
+        record = self.sites.get(name)
+        if record is None:
+            yield
+            return
+        self._transfers[name] = self._transfers.get(name, 0) + 1
+        record.last_seen = time.monotonic()
+        try:
+            yield
+        finally:
+            self._transfers[name] -= 1
+            if not self._transfers[name]:
+                del self._transfers[name]
+            record.last_seen = time.monotonic()
 
     async def join(self, name: str, run_id: str, world_size: int = 1) -> SiteRecord:
         """Admit a site; its declared ``world_size`` (0: one rank) must fit the limits and the
@@ -540,10 +565,10 @@ class RoundController:
         snapshot = self.snapshot() if due else None  # the small parts, read on the loop
         try:
             await asyncio.to_thread(self._write_commit, logged, snapshot)
+            self._sync_round_log()
         except OSError:
             log.critical("cannot commit round %d to %s; exiting", r, self.run_dir, exc_info=True)
             os._exit(70)
-        self._sync_round_log()
 
     def _write_commit(self, logged: LoggedUpdate, snapshot: dict[str, Any] | None) -> None:
         assert self.run_dir is not None
@@ -585,28 +610,23 @@ class RoundController:
     def _sync_round_log(self) -> None:
         """Append the committed rounds the log does not have yet (one line each, in order)."""
         assert self.run_dir is not None
-        path = self.run_dir / ROUND_LOG
+        journal = JsonLines(self.run_dir / ROUND_LOG, durable=False)  # rewritten from the history
         if self._logged is None:  # read once per process, not at every commit
-            data = path.read_bytes() if path.exists() else b""
-            complete = data.rfind(b"\n") + 1
-            if complete < len(data):  # a crash while a line was written: rewrite it from the history
-                log.warning("%s: dropping a torn last line (%d bytes)", path, len(data) - complete)
-                os.truncate(path, complete)
-            self._logged = data.count(b"\n")
-        with open(path, "a") as f:
-            for record in self.history[self._logged :]:
-                line = {
-                    "round": record.round,
-                    "contributors": record.contributors,
-                    "tokens": record.tokens,
-                    "base_hash": self.hashes[record.round],  # θ it started from: the log chains
-                    "state_hash": record.state_hash,
-                    "update_bytes": record.update_bytes,
-                    "duration_s": round(record.duration_s, 3),
-                    "data": record.data,
-                }
-                f.write(json.dumps(line) + "\n")
+            self._logged = len(journal.open())
+        journal.append(*(self._round_line(record) for record in self.history[self._logged :]))
         self._logged = len(self.history)
+
+    def _round_line(self, record: RoundRecord) -> dict[str, Any]:
+        return {
+            "round": record.round,
+            "contributors": record.contributors,
+            "tokens": record.tokens,
+            "base_hash": self.hashes[record.round],  # θ it started from: the log chains
+            "state_hash": record.state_hash,
+            "update_bytes": record.update_bytes,
+            "duration_s": round(record.duration_s, 3),
+            "data": record.data,
+        }
 
     def snapshot(self) -> dict[str, Any]:
         """Everything a restarted coordinator needs to resume after the last committed round."""
@@ -654,7 +674,9 @@ class RoundController:
         """Expire leases and close rounds past their deadline; called periodically."""
         now = time.monotonic()
         for record in self.sites.values():
-            if record.state == "joined" and now - record.last_seen > self.cfg.lease_s:
+            if record.name in self._transfers:
+                record.last_seen = now  # a stream in flight is a heartbeat
+            elif record.state == "joined" and now - record.last_seen > self.cfg.lease_s:
                 record.state = "lost"
                 self.ledger.release_site(record.name)
                 log.warning("site %s lost: no heartbeat for %.1fs", record.name, now - record.last_seen)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -22,6 +23,7 @@ from geodiloco.coordinator.durable import STATE_FILE, STATE_LABEL
 from geodiloco.coordinator.journal import Journal
 from geodiloco.coordinator.metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
+from geodiloco.coordinator.rundir import lock_run_dir
 from geodiloco.coordinator.service import AdminServicer, OuterSyncServicer
 from geodiloco.metrics import MetricsServer, serve_metrics
 from geodiloco.params import flatten_parameters
@@ -234,15 +236,31 @@ async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
     # Intake and commits run in worker threads; a short switch interval hands the GIL back to
     # the event loop sooner, so heartbeats and pulls are answered while they work.
     sys.setswitchinterval(0.001)
+    # before anything in the run directory is read: one coordinator per run directory
+    lock = lock_run_dir(opts.run_dir) if opts.run_dir is not None else None
+    try:
+        await _serve_locked(cfg, opts)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+async def _serve_locked(cfg: RunConfig, opts: ServeOptions) -> None:
     security = opts.security(cfg.run_id)
     sealer = security.keyring.at_rest(STATE_LABEL) if security.keyring else None  # state sealed at rest
+    resumes = _resumes(opts.run_dir)
     controller = RoundController(
         cfg,
-        None if _resumes(opts.run_dir) else initial_parameters(cfg),  # θ_0 unless a snapshot holds θ
+        None if resumes else initial_parameters(cfg),  # θ_0 unless a snapshot holds θ
         data_shard_sizes(cfg),
         opts.run_dir,
         sealer,
     )
+    if not resumes:
+        await controller.checkpoint()  # θ_0 on disk: a restart reads it instead of rebuilding the model
+    # Everything built so far lives as long as the process: out of the collector's sight, a full
+    # collection no longer walks torch's hundreds of thousands of objects on the event loop.
+    gc.freeze()
     logs.bind(run=cfg.run_id, round=lambda: controller.round)
     running = await start_server(controller, opts.host, opts.port, security=security, grace_s=opts.grace_s)
     metrics: MetricsServer | None = None

@@ -27,6 +27,7 @@ from geodiloco.coordinator.errors import (
     InvalidArgument,
     LateContribution,
     ResourceExhausted,
+    Unauthenticated,
 )
 from geodiloco.coordinator.intake import Intake, PartStream, StagedContribution
 from geodiloco.coordinator.journal import Journal
@@ -138,9 +139,33 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             limit = self.c.cfg.limits.joins_per_minute
             raise ResourceExhausted(f"too many joins from this peer (limits.joins_per_minute {limit})")
 
+    def _check_key_proof(self, request: Any) -> None:
+        """A sealing run admits only a site that proves it holds its secret: one with a wrong
+        secret would otherwise be a member, waited for, that cannot seal a chunk."""
+        keyring = self.security.keyring
+        if keyring is None:
+            if request.key_proof:
+                raise FailedPrecondition(
+                    "this run does not seal payloads (the coordinator runs --insecure): "
+                    "a site with a secret refuses to send them in the clear; drop its --secret"
+                )
+            return
+        if not request.key_proof:
+            raise Unauthenticated(
+                f"this run seals payloads: site {request.site!r} must prove its secret at Join "
+                "(give it --secret site-<name>.secret)"
+            )
+        if not keyring.proves_key(request.site, request.key_proof, request.run_id, request.world_size):
+            raise Unauthenticated(
+                f"site {request.site!r} does not hold its secret for this run (its --secret belongs "
+                "to another run secret or another site); it is not admitted"
+            )
+
     async def Join(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def handle() -> Any:
             self._check_join_rate(context)
+            self.c.site(request.site)  # a site outside the run is told that first
+            self._check_key_proof(request)
             record = await self.c.join(request.site, request.run_id, request.world_size)
             self.intake.forget_site(request.site)  # a rejoined site pushes its round afresh
             if request.version and request.version != __version__:
@@ -222,12 +247,13 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             site, round_, fragment = first.header.site, first.header.round, first.header.fragment
             stream = await self._begin(first)
             chunk = first
-            while chunk is not None:
-                self._count(site, received=chunk)
-                wire_bytes += chunk.ByteSize()
-                await stream.add(chunk)
-                chunk = await _next_chunk(request_iterator, timeout_s)
-            await stream.drain()
+            with self.c.transferring(site):
+                while chunk is not None:
+                    self._count(site, received=chunk)
+                    wire_bytes += chunk.ByteSize()
+                    await stream.add(chunk)
+                    chunk = await _next_chunk(request_iterator, timeout_s)
+                await stream.drain()
             outcome = await self._complete(stream)
         except REFUSALS as exc:
             if stream is not None:
@@ -335,31 +361,32 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         mine = [(seq, chunk) for seq, chunk in enumerate(chunks) if seq % parts == request.part]
         if not mine:  # more pullers than chunks: this one gets the stream's facts, no payload
             mine = [(len(chunks), EncodedChunk(0, 0, b""))]
-        for i, (seq, chunk) in enumerate(mine):
-            message = outer_sync_pb2.UpdateChunk(
-                header=outer_sync_pb2.ChunkHeader(
-                    run_id=self.c.cfg.run_id,
-                    round=round_,
-                    fragment=0,
-                    site=request.site,
-                    codec=codec,
-                    seq=seq,
-                    start=chunk.start,
-                    numel=chunk.numel,
-                ),
-                payload=chunk.payload,
-                next_round=next_round,
-                state_hash=digest,
-                total_chunks=len(chunks),
-                finished=next_round >= self.c.cfg.rounds,
-                kind=kind,
-                data=ranges_to_proto(self.c.data_for(request.site)) if i == len(mine) - 1 else [],
-            )
-            if keys is not None:
-                seal_update(keys.down, message)
-            self._count(request.site, sent=message)
-            sent += message.ByteSize()
-            yield message
+        with self.c.transferring(request.site):
+            for i, (seq, chunk) in enumerate(mine):
+                message = outer_sync_pb2.UpdateChunk(
+                    header=outer_sync_pb2.ChunkHeader(
+                        run_id=self.c.cfg.run_id,
+                        round=round_,
+                        fragment=0,
+                        site=request.site,
+                        codec=codec,
+                        seq=seq,
+                        start=chunk.start,
+                        numel=chunk.numel,
+                    ),
+                    payload=chunk.payload,
+                    next_round=next_round,
+                    state_hash=digest,
+                    total_chunks=len(chunks),
+                    finished=next_round >= self.c.cfg.rounds,
+                    kind=kind,
+                    data=ranges_to_proto(self.c.data_for(request.site)) if i == len(mine) - 1 else [],
+                )
+                if keys is not None:
+                    seal_update(keys.down, message)
+                self._count(request.site, sent=message)
+                sent += message.ByteSize()
+                yield message
         self.journal.write(
             "pull",
             site=request.site,

@@ -23,6 +23,7 @@ from geodiloco.compression.entropy import stored_frame
 from geodiloco.compression.envelope import seal as frame
 from geodiloco.params import state_hash
 from geodiloco.security.chunks import _delta_aad, _update_aad  # the AAD bytes themselves are the vector
+from geodiloco.security.joinproof import join_proof
 from geodiloco.security.sealing import SiteKeys, key_id
 from geodiloco.security.secrets import hkdf, site_secret
 from geodiloco.v1 import outer_sync_pb2
@@ -182,6 +183,10 @@ def sealing() -> dict[str, Any]:
             {"site_secret": bytes(32).hex(), "run_id": "", "key_id": key_id(bytes(32), "")},
         ],
         "cases": cases,
+        "join_proofs": [
+            {"run_id": run_id, "world_size": 4, "proof": join_proof(secret, run_id, site, 4).hex()},
+            {"run_id": "", "world_size": 0, "proof": join_proof(secret, "", site, 0).hex()},
+        ],
     }
 
 

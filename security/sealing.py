@@ -18,6 +18,7 @@ from pathlib import Path
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from geodiloco.security.joinproof import proves
 from geodiloco.security.secrets import hkdf, site_secret
 
 NONCE_BYTES = 12
@@ -157,6 +158,10 @@ class Keyring:
         if keys is None:
             keys = self._sites[name] = SiteKeys.derive(site_secret(self._run_secret, name), self.run_id)
         return keys
+
+    def proves_key(self, name: str, proof: bytes, run_id: str, world_size: int) -> bool:
+        """Whether a Join's ``proof`` was made with ``name``'s site secret (:mod:`.joinproof`)."""
+        return proves(site_secret(self._run_secret, name), proof, run_id, name, world_size)
 
     def at_rest(self, label: str) -> Sealer:
         return at_rest_sealer(self._run_secret, self.run_id, label)

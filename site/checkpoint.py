@@ -3,7 +3,9 @@
 A checkpoint holds the model, the inner optimizer, the snapshot θ_r the round started from and
 the error-feedback residual, all in the model's own layout (DTensors stay sharded), plus a
 small ``site.json`` with the round, the data the round trains on and the steps already taken.
-DCP reshards on load, so a site may come back with another number of ranks or another layout.
+DCP reshards on load, so a site may come back with another number of ranks or another layout;
+every entry is keyed by canonical parameter names, so a checkpoint of pipeline stages (each rank
+writing its stage's parameters) loads into a site without stages, and back.
 
 The residual lives on the rank that owns each element; it is saved shaped like the parameters
 (replicas add their disjoint parts together), so any new owner finds its part.
@@ -27,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from geodiloco.params import canonical_parameters
 from geodiloco.site.outer_sync import OuterSync
-from geodiloco.site.shards import ShardMap, local_tensor, replica_dims
+from geodiloco.site.shards import ShardMap, local_tensor, replica_groups, stage_placement
 from geodiloco.workload.data import DataRange
 
 log = logging.getLogger("geodiloco.site")
@@ -76,15 +78,10 @@ def _residual_like_params(sync: OuterSync) -> list[torch.Tensor]:
     """The residual spread over local pieces, replicas' disjoint parts added together."""
     assert sync.model is not None
     pieces = _residual_pieces(sync)
-    for (_, p), piece in zip(canonical_parameters(sync.model), pieces, strict=True):
-        if not isinstance(p, DTensor):
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(piece)
-            continue
-        mesh, dims = replica_dims(p)
-        for dim in dims:
-            if mesh.size(dim) > 1:
-                dist.all_reduce(piece, group=mesh.get_group(dim))
+    placement = stage_placement(sync.model)  # a pipeline stage's replicas: its ranks, tied copies
+    for (name, p), piece in zip(canonical_parameters(sync.model), pieces, strict=True):
+        for group in replica_groups(name, p, placement):
+            dist.all_reduce(piece, group=group)
     return pieces
 
 

@@ -31,6 +31,7 @@ from geodiloco import __version__, faults
 from geodiloco.compression import CodecError, EncodedChunk, decode_chunks_into, parse_pipeline
 from geodiloco.progress import Progress
 from geodiloco.security.chunks import KeyMismatch, open_update, seal_delta
+from geodiloco.security.joinproof import join_proof
 from geodiloco.security.sealing import SiteKeys
 from geodiloco.security.tls import TlsFiles, open_channel
 from geodiloco.segment import Segment
@@ -310,6 +311,8 @@ class OuterSyncClient:
         request = outer_sync_pb2.JoinRequest(
             run_id=run_id, site=self.site, state_hash=state_hash, world_size=world_size, version=__version__
         )
+        if self._site_secret is not None:  # admitted only once it proves its secret
+            request.key_proof = join_proof(self._site_secret, run_id, self.site, world_size)
         r = self._with_backoff("join", lambda: self._unary(self.stub.Join, request))
         self.run_id = r.run_id
         self.patience_s = _round_timeout(r.run_config_json) or self.patience_s

@@ -1,9 +1,12 @@
-"""A site's parallel layout: which ranks replicate, shard (FSDP2) or split tensors (TP).
+"""A site's parallel layout: which ranks replicate, shard (FSDP2), split tensors (TP) or run
+pipeline stages (PP).
 
 Each site chooses its own layout (``geodiloco site run --layout fsdp``); the wire never sees
 it. Parallelism is applied with plain functions on an ordinary ``nn.Module``, in the order
 torchtitan uses: tensor parallel first, then FSDP2 over the data-parallel dims (HSDP when some
-of them replicate), or DDP when every rank holds the whole model.
+of them replicate), or DDP when every rank holds the whole model. With ``pp=N`` the model is cut
+into N stages first (:mod:`geodiloco.site.pipeline`) and the data-parallel wrapping applies to
+each stage over its own ranks.
 
 Mixed precision as people run it: ``bf16`` is FSDP2's ``MixedPrecisionPolicy`` (bf16 compute
 parameters, fp32 gradient reduction) when the layout shards, else bf16 autocast around the
@@ -23,14 +26,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-PRESETS = ("ddp", "fsdp", "hsdp", "tp", "fsdp+tp")
+from geodiloco.site import plans
+from geodiloco.site.experts import apply_expert_parallel, expert_mesh
+from geodiloco.site.pipeline import Pipelined, split_stage
+from geodiloco.workload.model import ByteGPT
+
+PRESETS = ("ddp", "fsdp", "hsdp", "tp", "fsdp+tp", "ep")
 PRECISIONS = ("fp32", "bf16", "fp8")
 FP8_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper onwards
 FP8_MULTIPLE = 16  # torchao float8 matmuls need both dims of a weight divisible by 16
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MICROBATCHES = "microbatches"  # a layout key that is not a mesh dim: the pipeline's microbatches
 
 
 class LayoutError(ValueError):
@@ -39,23 +48,32 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """dp_replicate x dp_shard x tp = the site's ranks; ``mixed_precision``: fp32, bf16 or fp8."""
+    """pp x dp_replicate x dp_shard x tp = the site's ranks; ``mixed_precision``: fp32, bf16 or
+    fp8; ``microbatches``: how many a pipeline splits each batch into (0: one per stage).
 
+    ``ep``: the data-parallel ranks split each mixture-of-experts layer's experts in groups of
+    ``ep`` (:mod:`geodiloco.site.experts`); it divides them rather than multiplying the ranks."""
+
+    pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     mixed_precision: str = "fp32"
+    microbatches: int = 0
+    ep: int = 1
 
     @classmethod
     def parse(cls, text: str, world: int, mixed_precision: str = "fp32") -> ParallelConfig:
-        """``ddp``, ``fsdp``, ``tp``, ``hsdp`` (2 replicas of FSDP), ``fsdp+tp`` (TP of 2), or
-        ``dp_replicate=R,dp_shard=S,tp=T``."""
+        """``ddp``, ``fsdp``, ``tp``, ``hsdp`` (2 replicas of FSDP), ``fsdp+tp`` (TP of 2), ``ep``
+        (DDP with the experts split over all ranks), or
+        ``pp=P,dp_replicate=R,dp_shard=S,tp=T,ep=E[,microbatches=M]``."""
         presets = {
             "ddp": {"dp_replicate": world},
             "fsdp": {"dp_shard": world},
             "tp": {"tp": world},
             "hsdp": {"dp_replicate": 2, "dp_shard": world // 2},
             "fsdp+tp": {"dp_shard": world // 2, "tp": 2},
+            "ep": {"dp_replicate": world, "ep": world},
         }
         if text in presets:
             sizes = presets[text]
@@ -63,10 +81,10 @@ class ParallelConfig:
             sizes = {}
             for item in filter(None, (p.strip() for p in text.split(","))):
                 key, eq, value = item.partition("=")
-                if not eq or key.strip() not in MESH_DIMS or not value.strip().isdigit():
+                known = (*MESH_DIMS, "ep", MICROBATCHES)
+                if not eq or key.strip() not in known or not value.strip().isdigit():
                     raise LayoutError(
-                        f"layout: {item!r} is not one of {', '.join(PRESETS)} or "
-                        f"{'|'.join(MESH_DIMS)}=N[,...]"
+                        f"layout: {item!r} is not one of {', '.join(PRESETS)} or {'|'.join(known)}=N[,...]"
                     )
                 sizes[key.strip()] = int(value)
         config = cls(**sizes, mixed_precision=mixed_precision)
@@ -74,12 +92,21 @@ class ParallelConfig:
         return config
 
     def check(self, world: int) -> None:
-        sizes = (self.dp_replicate, self.dp_shard, self.tp)
+        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         if min(sizes) < 1 or math.prod(sizes) != world:
+            stages = f"pp {self.pp} x " if self.pp != 1 else ""
             raise LayoutError(
-                f"layout: dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp} "
+                f"layout: {stages}dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp} "
                 f"must equal the site's {world} ranks"
             )
+        if self.pp > 1 and self.tp > 1:
+            raise LayoutError("layout: pipeline with tensor parallel (pp and tp > 1) is not supported yet")
+        if self.pp > 1 and self.mixed_precision != "fp32":
+            raise LayoutError(
+                f"mixed-precision: {self.mixed_precision} is not supported with pipeline stages (pp > 1) yet"
+            )
+        if self.microbatches and self.microbatches < self.pp:
+            raise LayoutError(f"layout: microbatches={self.microbatches} must be at least pp={self.pp}")
         if self.tp > 1 and self.dp_replicate > 1 and self.dp_shard == 1:
             raise LayoutError("layout: replicating a tensor-parallel model needs dp_shard > 1 (HSDP + TP)")
         if self.mixed_precision not in PRECISIONS:
@@ -88,6 +115,12 @@ class ParallelConfig:
             )
         if self.mixed_precision == "fp8" and self.tp > 1:
             raise LayoutError("mixed-precision: fp8 is not supported with tensor parallel (tp > 1) yet")
+        if self.ep < 1 or self.data_parallel % self.ep:
+            raise LayoutError(
+                f"layout: ep {self.ep} must divide the {self.data_parallel} data-parallel ranks"
+            )
+        if self.ep > 1 and (self.dp_shard > 1 or self.tp > 1 or self.pp > 1):
+            raise LayoutError("layout: ep > 1 composes with dp_replicate (DDP) only in this version")
 
     @property
     def data_parallel(self) -> int:
@@ -95,7 +128,16 @@ class ParallelConfig:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def stage_microbatches(self) -> int:
+        return self.microbatches or self.pp
+
+    @property
     def name(self) -> str:
+        if self.pp > 1:
+            stage = ParallelConfig(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard)
+            return "pp" if self.data_parallel == 1 else f"pp+{stage.name}"
+        if self.ep > 1:
+            return "ep"
         if self.tp > 1:
             return "tp" if self.data_parallel == 1 else "fsdp+tp"
         if self.dp_shard > 1:
@@ -107,7 +149,7 @@ def build_mesh(config: ParallelConfig, device_type: str | None = None) -> Device
     """The site's mesh on ``device_type`` (default: cuda when torch sees it, else cpu)."""
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    sizes = (config.dp_replicate, config.dp_shard, config.tp)
+    sizes = (config.pp, config.dp_replicate, config.dp_shard, config.tp)
     return init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
 
 
@@ -162,29 +204,24 @@ class Autocast(nn.Module):
 
 def data_parallel_rank(mesh: DeviceMesh) -> int:
     """This rank's index among the ranks that train on different batches."""
-    coord = mesh.get_coordinate()
-    assert coord is not None
-    return coord[0] * mesh.size(1) + coord[1]
+    replicate, shard = mesh["dp_replicate"].get_local_rank(), mesh["dp_shard"].get_local_rank()
+    return replicate * mesh["dp_shard"].size() + shard
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Split every block's MLP: the up projection by columns, the down projection by rows.
-
-    Attention stays replicated across the tensor-parallel ranks: its fused qkv projection cannot
-    be split by columns without splitting heads apart (a model with separate q/k/v could)."""
-    blocks = getattr(model, "blocks", None)
-    if blocks is None:
-        raise LayoutError("tensor parallel: the model has no `blocks` with fc/out MLPs to split")
-    for block in blocks:
-        parallelize_module(block, mesh, {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+    """Split each block by the plan its structure calls for (:mod:`geodiloco.site.plans`): the
+    reference GPT's MLP, or a Llama-style layer's attention heads and MLP."""
+    for block, plan in plans.tensor_parallel_plans(model, mesh.size()):
+        parallelize_module(block, mesh, plan)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str) -> None:
-    """FSDP2 per block, then the root (its own parameters: embeddings, final norm)."""
+    """FSDP2 per block (the reference's blocks, a transformers model's decoder layers), then the
+    root (its own parameters: embeddings, final norm, output layer)."""
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if mixed_precision != "fp32" else None, reduce_dtype=torch.float32
     )
-    for block in getattr(model, "blocks", []):
+    for block in plans.blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
@@ -194,15 +231,37 @@ def parallelize(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> n
     call in training (a DDP wrapper for ``ddp``, an autocast one for bf16 without FSDP2).
 
     Parameters keep their canonical names: FSDP2 and TP change them in place, DDP and autocast
-    add only a ``module.`` prefix that :func:`geodiloco.params.canonical_name` strips."""
+    add only a ``module.`` prefix that :func:`geodiloco.params.canonical_name` strips. With pipeline
+    stages, ``model`` keeps only this rank's stage (see :func:`geodiloco.site.pipeline.split_stage`)
+    and the module returned runs the pipeline schedule."""
     if config.mixed_precision == "fp8":
         apply_float8(model)  # before TP and FSDP2, as torchao asks
     if config.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    if config.pp > 1:
+        if not isinstance(model, ByteGPT):
+            raise LayoutError(
+                f"pipeline parallel: no stage split for {type(model).__name__} (ByteGPT has one)"
+            )
+        if len(model.blocks) < config.pp:
+            raise LayoutError(
+                f"pipeline parallel: {config.pp} stages need at least {config.pp} blocks, "
+                f"the model has {len(model.blocks)}"
+            )
+        stage = split_stage(model, mesh)
+        return Pipelined(data_parallel(stage, config, mesh), mesh, config.stage_microbatches)
+    return data_parallel(model, config, mesh)
+
+
+def data_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
+    """FSDP2 over the data-parallel dims that shard (HSDP when some replicate), else DDP where
+    they replicate, else ``model`` itself (under bf16 autocast when asked)."""
     if config.dp_shard > 1:
         dims = ("dp_replicate", "dp_shard") if config.dp_replicate > 1 else ("dp_shard",)
         apply_fsdp(model, mesh[dims], config.mixed_precision)
         return model
+    if config.ep > 1:
+        apply_expert_parallel(model, expert_mesh(config.ep, mesh.device_type), config.data_parallel)
     trained: nn.Module = model
     if config.dp_replicate > 1:
         trained = DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group())
@@ -213,7 +272,9 @@ def parallelize(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> n
 
 def layout_summary(config: ParallelConfig) -> str:
     world = dist.get_world_size() if dist.is_initialized() else 1
+    stages = f"pp={config.pp} x {config.stage_microbatches} microbatches, " if config.pp > 1 else ""
+    experts = f", ep={config.ep}" if config.ep > 1 else ""
     return (
-        f"{config.name} over {world} ranks (dp_replicate={config.dp_replicate}, "
-        f"dp_shard={config.dp_shard}, tp={config.tp}, {config.mixed_precision})"
+        f"{config.name} over {world} ranks ({stages}dp_replicate={config.dp_replicate}, "
+        f"dp_shard={config.dp_shard}, tp={config.tp}{experts}, {config.mixed_precision})"
     )

@@ -10,8 +10,16 @@ decodes only what lands in its shard, so no rank ever holds the whole model::
     model = sync.attach(model)              # any DDP / FSDP2 / TP wrapping already applied
     while not sync.finished:
         ...; inner_optimizer.step()
-        if sync.step(tokens=n):             # every H inner steps: outer sync
+        if sync.step(tokens=n):             # every H inner steps: a round closed
             ...                             # e.g. evaluate, then sync.report(...)
+
+The loop talks to the coordinator only through a :class:`~geodiloco.site.link.Link` (gRPC, or
+in-process for tests). Streaming DiLoCo (``outer.fragments`` P, ``outer.overlap_steps`` τ,
+``outer.mix_alpha`` α): the model is synced in P fragments at staggered steps
+(:mod:`.fragments`); with τ > 0 a fragment's push and pull run on a background sender while
+training goes on, and τ steps later the fragment's global values are mixed into the local ones.
+The site's copy of the *global* state (the snapshot) stays bit-identical with the
+coordinator's and is hash-checked per fragment and round.
 
 Rank 0 alone joins, heartbeats, reports and leaves; control decisions (push again, resync) are
 agreed by every rank, so the ranks of a site never disagree on the state they hold.
@@ -22,30 +30,28 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import grpc
 import torch
 from torch import nn
 
 from geodiloco.compression import ErrorFeedback, Pipeline, Place, parse_pipeline
 from geodiloco.config import RunConfig
-from geodiloco.params import HASH_BLOCK, Checksum
+from geodiloco.params import HASH_BLOCK, Checksum, canonical_parameters
 from geodiloco.security.tls import TlsFiles
 from geodiloco.segment import Segment
-from geodiloco.site.client import (
-    Heartbeater,
-    JoinInfo,
-    LazyChunks,
-    OuterSyncClient,
-    PulledPart,
-    WireChunk,
-)
+from geodiloco.site.client import LazyChunks, PulledPart, WireChunk
+from geodiloco.site.fragments import FragmentPlan, ParameterSubset, Schedule
 from geodiloco.site.group import SiteGroup
+from geodiloco.site.grpc_link import GrpcLink
+from geodiloco.site.link import FragmentState, Joined, JoinInfo, Link, LinkError, PushAgain, Resync
 from geodiloco.site.shards import ShardMap, subview
+from geodiloco.workload.data import DataRange
 
 log = logging.getLogger("geodiloco.site")
 
@@ -64,11 +70,10 @@ class Outcome(IntEnum):
 
 
 def _outcome(exc: Exception) -> Outcome:
-    if isinstance(exc, grpc.RpcError):
-        if exc.code() == grpc.StatusCode.ABORTED:
-            return Outcome.PUSH_AGAIN
-        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-            return Outcome.RESYNC
+    if isinstance(exc, PushAgain):
+        return Outcome.PUSH_AGAIN
+    if isinstance(exc, Resync):
+        return Outcome.RESYNC
     return Outcome.FAILED
 
 
@@ -118,30 +123,401 @@ class RoundResult:
     finished: bool
 
 
-class OuterSync:
-    """Snapshots θ_r, computes Δ every H steps, pushes it, and applies the outer update."""
+@dataclass(frozen=True, slots=True)
+class Merged:
+    """A fragment round this site merged, to be reported with the round's metrics."""
+
+    fragment: int
+    round: int
+    state_hash: str
+    tokens: int
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A fragment's push on the background sender, and what to push again if it must."""
+
+    round: int
+    chunks: DeltaEncoding
+    tokens: int
+    data: list[DataRange] | None
+    result: Future[tuple[PulledPart | None, Outcome, str | None]]
+
+
+class FragmentSync:
+    """One fragment's outer loop on this rank: its global values θ_r (its slice of the owner's
+    snapshot), error feedback and rounds; push, pull, recovery and merge."""
 
     def __init__(
-        self, client: OuterSyncClient, info: JoinInfo, group: SiteGroup, data_parallel_size: int
+        self, owner: OuterSync, index: int, members: Sequence[int], shards: ShardMap, state: FragmentState
     ) -> None:
-        self.client = client
-        self.info = info
+        self.owner = owner
+        self.index = index
+        self.members = list(members)  # canonical parameter indices = the owner's piece indices
+        self.shards = shards
+        self.round, self.finished = state.round, state.finished
+        self.state_hash = state.state_hash  # as joined; checked in attach
+        self.settles_data = index == owner.config.outer.fragments - 1  # merged at the round's end
+        self.feedback = ErrorFeedback(shards.owned_numel, owner.config.compression.feedback_decay)
+        owners = owner.group.gather(shards.owned_numel > 0)
+        self.part, self.parts = sum(owners[: owner.group.rank]), sum(owners)
+        self.tokens = 0  # trained since this fragment's last push
+        self.in_flight: InFlight | None = None
+        self.digest_after = ""  # the snapshot's hash after the last merge
+
+    @property
+    def link(self) -> Link:
+        return self.owner.link
+
+    @property
+    def group(self) -> SiteGroup:
+        return self.owner.group
+
+    @property
+    def snapshot(self) -> list[torch.Tensor]:
+        """The fragment's global values, laid out like its pieces (views of the owner's snapshot)."""
+        return [self.owner.snapshot[i] for i in self.members]
+
+    def digest(self, tensors: list[torch.Tensor] | None = None) -> str:
+        return _digest(self.shards, self.group, tensors)
+
+    def name(self, round_: int) -> str:
+        """How logs name one of this fragment's rounds."""
+        return (
+            f"round {round_}" if len(self.owner.fragments) == 1 else f"fragment {self.index} round {round_}"
+        )
+
+    # -- one fragment round -----------------------------------------------------------------
+
+    def take_tokens(self) -> int:
+        """The tokens this fragment's push weighs, summed over the site's ranks."""
+        owner = self.owner
+        # one fragment synced blocking: the round's count, which a resumed checkpoint restores
+        blocking_whole = owner.schedule.fragments == 1 and not owner.schedule.overlap
+        local = owner.tokens_in_round if blocking_whole else self.tokens
+        self.tokens = 0
+        replication = self.group.world // owner.data_parallel_size
+        return self.group.sum(local) // max(replication, 1)
+
+    def sync_now(self) -> None:
+        """Push this fragment's pseudo-gradient and merge its committed update (blocking)."""
+        round_, data = self.round, self.owner.data if self.settles_data else None
+        tokens = self.take_tokens()
+        chunks = self.encode_delta()
+        pulled, caught_up = self.exchange(round_, chunks, tokens, data)
+        chunks.finish()  # a push cut short (a resync) still leaves the residual of the whole Δ
+        self.merge(round_, pulled, tokens, caught_up=caught_up)
+
+    def send(self) -> None:
+        """Hand this fragment's pseudo-gradient to the background sender; training goes on."""
+        round_, data = self.round, self.owner.data if self.settles_data else None
+        tokens = self.take_tokens()
+        chunks = self.encode_delta()  # Δ is taken now; encoding and sending run in the background
+        assert self.owner.sender is not None
+        result = self.owner.sender.submit(self._push_and_pull, round_, chunks, tokens, data)
+        self.in_flight = InFlight(round_, chunks, tokens, data, result)
+
+    def _push_and_pull(
+        self, round_: int, chunks: DeltaEncoding, tokens: int, data: list[DataRange] | None
+    ) -> tuple[PulledPart | None, Outcome, str | None]:
+        """The optimistic exchange, on the sender thread: push, pull and, on a site of one rank
+        (no collectives needed), decode into the snapshot and hash it; the training thread only
+        touches this fragment's snapshot again when it lands. Ranks agree on the outcome then."""
+        outcome = Outcome.OK
+        if chunks:
+            _, outcome = self.owner.call(lambda: self._push(round_, chunks, tokens, data))
+        pulled, digest = None, None
+        if outcome is Outcome.OK:
+            pulled, outcome = self.owner.call(functools.partial(self.pull, round_, False))
+        chunks.finish()
+        if pulled is not None and self.group.world == 1:
+            _, outcome = self.owner.call(lambda: self.apply(pulled))
+            if outcome is not Outcome.OK:  # the snapshot may be half updated: take the full state
+                return None, Outcome.RESYNC, None
+            digest = self.digest(self.snapshot)
+        return pulled, outcome, digest
+
+    def land(self) -> None:
+        """Merge the fragment sent τ steps ago: its pull if it went well on every rank, else the
+        blocking recovery (push again, or rejoin and catch up) on the training thread."""
+        flight, self.in_flight = self.in_flight, None
+        assert flight is not None
+        round_, tokens = flight.round, flight.tokens
+        pulled, outcome, decoded = flight.result.result()
+        outcome = self.group.agree(outcome)
+        if outcome is Outcome.OK and self._agreed(pulled):
+            assert pulled is not None
+            if not self._has_data(pulled):
+                log.warning("%s: no data assigned (lease lapsed); rejoining", self.name(round_))
+                pulled = dataclasses.replace(pulled, data=self.rejoin()[1])
+            self.merge(round_, pulled, tokens, decoded=decoded)
+            return
+        # refused, or ranks pulled different states: rejoin; lost or failed: push again
+        resync = outcome in (Outcome.OK, Outcome.RESYNC)
+        pulled, caught_up = self.exchange(round_, flight.chunks, tokens, flight.data, resync=resync)
+        self.merge(round_, pulled, tokens, caught_up=caught_up)
+
+    def merge(
+        self,
+        round_: int,
+        pulled: PulledPart,
+        tokens: int,
+        caught_up: bool = False,
+        decoded: str | None = None,
+    ) -> None:
+        """θ_r + update → the snapshot (hash-checked); the parameters take it, or mix it in.
+        ``caught_up``: the exchange already brought the snapshot to a later round; ``decoded``:
+        the sender already applied the update, and this is the snapshot's hash."""
+        if not caught_up and decoded is None:
+            self.apply(pulled)
+        digest = decoded if decoded is not None else self.digest(self.snapshot)
+        if self.group.rank == 0 and digest != pulled.state_hash:
+            log.error(
+                "%s: parameters diverged: %s != %s", self.name(round_), digest[:12], pulled.state_hash[:12]
+            )
+        behind = caught_up or pulled.is_full_state  # a resync: the local progress was on a stale base
+        self.adopt(mix=self.owner.schedule.overlap > 0 and not behind)
+        self.round, self.finished = pulled.next_round, pulled.finished
+        if self.settles_data:
+            self.owner.data = pulled.data
+        self.digest_after = digest
+        if self.group.rank == 0:
+            self.owner.merged.append(Merged(self.index, pulled.next_round - 1, digest, tokens))
+
+    @torch.no_grad()
+    def adopt(self, mix: bool) -> None:
+        """The parameters take the global values (local ← global), or with ``mix``
+        local ← α·local + (1−α)·global."""
+        alpha = self.owner.config.outer.mix_alpha
+        for piece, values in zip(self.shards.pieces, self.snapshot, strict=True):
+            if mix and alpha:
+                piece.local.lerp_(values.to(piece.local.dtype), 1.0 - alpha)
+            else:
+                piece.local.copy_(values)
+
+    def reload(self) -> PulledPart:
+        """The fragment's current global state, lossless; the parameters take it."""
+        pulled = self.agreed_pull(full_state=True)
+        self.apply(pulled)
+        self.adopt(mix=False)
+        self.round, self.finished = pulled.next_round, pulled.finished
+        self.tokens = 0
+        return pulled
+
+    @torch.no_grad()
+    def encode_delta(self) -> DeltaEncoding:
+        """Δ = θ_r − θ on the owned elements, plus the error-feedback residual, to be compressed
+        chunk by chunk as the push stream takes it (see :class:`DeltaEncoding`)."""
+        delta = self.shards.gather_owned(self.snapshot)
+        at = 0
+        for owned, view in self.shards.owned_views():
+            n = owned.segment.numel
+            delta[at : at + n].view(view.shape).sub_(view)
+            at += n
+        to_send = self.feedback.compensate(delta)
+        del delta
+        segments = list(self.shards.wire_segments(self.owner.config.compression.chunk_elements))
+        return DeltaEncoding(self.owner.uplink, self.round, to_send, segments, self.feedback.residual)
+
+    def _push(
+        self, round_: int, chunks: Sequence[WireChunk], tokens: int, data: list[DataRange] | None
+    ) -> None:
+        self.link.push(
+            self.index,
+            round_,
+            self.owner.uplink.spec,
+            chunks,
+            tokens,
+            data,
+            part=self.part,
+            parts=self.parts,
+            timeout_s=self.owner.pull_timeout_s,
+        )
+
+    def _agreed(self, pulled: PulledPart | None) -> bool:
+        """Every rank pulled the same stream facts (no commit in between)."""
+        facts = pulled.facts if pulled is not None else None
+        return len({repr(f) for f in self.group.gather(facts)}) == 1
+
+    def _has_data(self, pulled: PulledPart | None) -> bool:
+        """False when the fragment settling the data committed while this site was counted lost
+        (no data is reserved for it)."""
+        return pulled is not None and (not self.settles_data or pulled.finished or bool(pulled.data))
+
+    def exchange(
+        self,
+        round_: int,
+        chunks: Sequence[WireChunk],
+        tokens: int,
+        data: list[DataRange] | None,
+        resync: bool = False,
+    ) -> tuple[PulledPart, bool]:
+        """Push (idempotent) and pull the round's update, all ranks together.
+
+        Recovers from a restarted coordinator that lost the uncommitted contribution (push
+        again) and from a lapsed membership or a round that closed without this site (rejoin
+        and continue from the coordinator's current state). True when the update was applied.
+        """
+        for _ in range(MAX_EXCHANGES):
+            if not resync and chunks:
+                _, outcome = self.owner.call(lambda: self._push(round_, chunks, tokens, data))
+                outcome = self.group.agree(outcome)
+                if outcome is Outcome.FAILED:
+                    raise RuntimeError(f"round {round_}: a rank of this site could not push its part")
+                resync = outcome is Outcome.RESYNC
+            elif not resync:
+                self.group.agree(Outcome.OK)  # a rank that owns nothing still takes part
+            if resync:
+                current, _ = self.rejoin()
+                caught = self.catch_up(round_, current)
+                if caught is not None:
+                    return caught, True
+            pulled, outcome = self.owner.call(functools.partial(self.pull, round_, resync))
+            outcome = self.group.agree(outcome)
+            if outcome is Outcome.FAILED:
+                raise RuntimeError(f"round {round_}: a rank of this site could not pull its share")
+            if outcome is Outcome.PUSH_AGAIN:
+                log.warning("%s: the coordinator lost this contribution; pushing again", self.name(round_))
+                continue
+            if outcome is Outcome.RESYNC:
+                log.warning("%s refused; rejoining and resyncing", self.name(round_))
+                resync = True
+                continue
+            assert pulled is not None
+            if not self._agreed(pulled):
+                log.warning(
+                    "%s: ranks pulled different states (a commit in between); again", self.name(round_)
+                )
+                resync = True
+                continue
+            if not self._has_data(pulled):
+                log.warning("%s: no data assigned (lease lapsed); rejoining", self.name(round_))
+                return dataclasses.replace(pulled, data=self.rejoin()[1]), False
+            return pulled, False
+        raise RuntimeError(f"round {round_}: no update after {MAX_EXCHANGES} attempts")
+
+    def rejoin(self) -> tuple[int, list[DataRange]]:
+        """Rank 0 joins again; every rank learns the fragment's current round and the site's data."""
+        joined: Joined | None = None
+        outcome = Outcome.OK
+        if self.group.rank == 0:
+            joined, outcome = self.owner.call(lambda: self.link.join(self.owner.data_parallel_size))
+        if self.group.agree(outcome) is not Outcome.OK:
+            raise RuntimeError("rejoining the run failed")
+        answer = (joined.fragments[self.index].round, joined.info.data) if joined is not None else (0, [])
+        return self.group.broadcast(answer)
+
+    def catch_up(self, round_: int, current: int) -> PulledPart | None:
+        """From θ_round_ (the snapshot) to the current round through the coordinator's kept
+        compressed updates, when only a round or two were missed: the same additions the
+        coordinator made, so the result is bit-identical, for a fraction of the state's bytes.
+        None when that is not possible (too far behind, updates no longer kept, hash differs):
+        the caller pulls the full state."""
+        if not 0 < current - round_ <= CATCH_UP_ROUNDS:
+            return None
+        pulled = None
+        for r in range(round_, current):
+            pulled = self.agreed_pull(full_state=False, round_=r)
+            self.apply(pulled)
+            if pulled.is_full_state:  # no longer kept: the coordinator sent its state instead
+                return pulled
+        assert pulled is not None
+        if self.digest(self.snapshot) != pulled.state_hash:
+            log.warning("%s: catching up through kept updates missed the hash", self.name(round_))
+            return None
+        log.info(
+            "%s: caught up to round %d with %d kept updates", self.name(round_), current, current - round_
+        )
+        return pulled
+
+    def pull(self, round_: int, full_state: bool) -> PulledPart:
+        return self.link.pull(
+            self.index,
+            round_,
+            full_state=full_state,
+            part=self.group.rank,
+            parts=self.group.world,
+            timeout_s=self.owner.pull_timeout_s,
+        )
+
+    def agreed_pull(self, full_state: bool, round_: int | None = None) -> PulledPart:
+        """Every rank pulls its share of the same state or update (retried if a commit came in
+        between two ranks' full-state pulls)."""
+        at = self.round if round_ is None else round_
+        for _ in range(MAX_EXCHANGES):
+            pulled, outcome = self.owner.call(functools.partial(self.pull, at, full_state))
+            if self.group.agree(outcome) is not Outcome.OK:
+                raise RuntimeError("pulling the run's state failed")
+            assert pulled is not None
+            if self._agreed(pulled):
+                return pulled
+        raise RuntimeError("the run's state kept changing while the site pulled it")
+
+    @torch.no_grad()
+    def apply(self, pulled: PulledPart) -> None:
+        """Decode every chunk on the ranks that hold its elements: snapshot += update (or = state)."""
+        codec = parse_pipeline(pulled.codec)
+        snapshot = self.snapshot
+        written = 0
+        for seq in range(pulled.total_chunks):
+            src = seq % self.group.world
+            chunk = self.group.share_chunk(pulled.chunks.get(seq) if self.group.rank == src else None, src)
+            if not self.shards.holds(chunk.start, chunk.numel):
+                continue
+            values = codec.decode(
+                chunk.payload, chunk.numel, Place.span(pulled.round, chunk.start, chunk.numel)
+            )
+            written += self.shards.scatter_range(chunk.start, values, snapshot, add=not pulled.is_full_state)
+        if written != self.shards.local_numel:
+            raise RuntimeError(
+                f"the pulled chunks covered {written} of this rank's {self.shards.local_numel} elements"
+            )
+
+
+def _digest(shards: ShardMap, group: SiteGroup, tensors: list[torch.Tensor] | None) -> str:
+    """The canonical state hash of ``shards``' parameters (or of ``tensors`` laid out like them),
+    each rank adding the elements it owns."""
+    checksum = Checksum()
+    for owned, view in shards.owned_views(tensors):
+        for offset, segment in owned.segment.split_rows(HASH_BLOCK):
+            checksum.add(segment.positions(), subview(view, owned.segment, offset, segment))
+    total = Checksum()
+    for low, high, count in group.gather((checksum.low, checksum.high, checksum.count)):
+        total = total.merge(Checksum(low, high, count))
+    return total.hexdigest()
+
+
+class OuterSync:
+    """Snapshots θ_r, computes Δ every H steps (per fragment, at its step), pushes it, and merges
+    the outer update."""
+
+    def __init__(self, link: Link, joined: Joined, group: SiteGroup, data_parallel_size: int) -> None:
+        self.link = link
+        self.info: JoinInfo = joined.info
         self.group = group
         self.data_parallel_size = data_parallel_size
-        self.config = RunConfig.from_json(info.run_config_json)
-        self.round = info.round
-        self.data = info.data  # the ledger's windows for the current round
-        self.finished = info.finished
+        self.config = RunConfig.from_json(self.info.run_config_json)
+        outer = self.config.outer
+        if len(joined.fragments) != outer.fragments:
+            raise RuntimeError(
+                f"the run's outer.fragments is {outer.fragments}, but its coordinator keeps "
+                f"{len(joined.fragments)} fragment(s): this coordinator cannot stream fragments yet"
+            )
+        self.schedule = Schedule(self.config.inner.steps_per_round, outer.fragments, outer.overlap_steps)
+        self.states = joined.fragments
+        self.round = self.info.round
+        self.data = self.info.data  # the ledger's windows for the current round
+        self.finished = self.info.finished
         self.steps_in_round = 0
         self.tokens_in_round = 0
         self.uplink = parse_pipeline(self.config.compression.uplink)
         self.model: nn.Module | None = None
         self.shards: ShardMap | None = None
         self.snapshot: list[torch.Tensor] = []  # θ_r, laid out like the rank's local pieces
-        self.feedback = ErrorFeedback(0)
-        self.part, self.parts = 0, 1
+        self.fragments: list[FragmentSync] = []
+        self.merged: deque[Merged] = deque(maxlen=2 * outer.fragments)  # to report (rank 0)
         self.last_result: RoundResult | None = None
-        self._heartbeat: Heartbeater | None = None
+        self.sender = ThreadPoolExecutor(1, "outer-sync") if outer.overlap_steps else None
 
     @classmethod
     def connect(
@@ -153,34 +529,36 @@ class OuterSync:
         site_secret: bytes | None = None,
         data_parallel_size: int | None = None,
     ) -> OuterSync:
-        """Join the run (rank 0) and share what the coordinator said with the site's ranks.
+        """Join the run over gRPC (rank 0) and share what the coordinator said with the site's ranks.
 
         Call it on every rank. ``tls`` (mutual TLS) and ``site_secret`` (payload sealing) are what
         a coordinator started without ``--insecure`` requires. ``data_parallel_size`` is how many
         different batches the site trains on per step (ranks / tensor-parallel degree; default:
         every rank), which sizes its share of the data ledger.
         """
+        return cls.over(GrpcLink(target, site, tls=tls, site_secret=site_secret), data_parallel_size)
+
+    @classmethod
+    def over(cls, link: Link, data_parallel_size: int | None = None) -> OuterSync:
+        """:meth:`connect` over any link (e.g. :class:`~geodiloco.site.local_link.LocalLink`)."""
         group = SiteGroup()
         data_parallel = data_parallel_size or group.world
-        client = OuterSyncClient(target, site, tls=tls, site_secret=site_secret)
-        joined = client.join(world_size=data_parallel) if group.rank == 0 else None
+        joined = link.join(data_parallel) if group.rank == 0 else None
         if joined is not None:
             log.info(
-                "site %s joined run %s at round %d (shard %d of %d)",
-                site,
-                joined.run_id,
-                joined.round,
-                joined.shard_index,
-                joined.shard_count,
+                "joined run %s at round %d (shard %d of %d)",
+                joined.info.run_id,
+                joined.info.round,
+                joined.info.shard_index,
+                joined.info.shard_count,
             )
-        info = group.broadcast(joined)
-        assert isinstance(info, JoinInfo)
+        shared = group.broadcast(joined)
+        assert isinstance(shared, Joined)
         if group.rank != 0:
-            client.adopt(info.run_id, info.key_id)
-        sync = cls(client, info, group, data_parallel)
+            link.adopt(shared.info.run_id, shared.info.key_id)
+        sync = cls(link, shared, group, data_parallel)
         if group.rank == 0:
-            sync._heartbeat = Heartbeater(client, info.heartbeat_interval_s, data_parallel)
-            sync._heartbeat.start()
+            link.keep_alive(shared.info.heartbeat_interval_s, data_parallel)
         return sync
 
     @property
@@ -191,236 +569,114 @@ class OuterSync:
     def shard_count(self) -> int:
         return self.info.shard_count
 
+    @property
+    def feedback(self) -> ErrorFeedback:
+        """The uplink error feedback of an unfragmented run (checkpoints save it)."""
+        if len(self.fragments) != 1:
+            raise NotImplementedError("site checkpoints do not keep a fragmented run's error feedback yet")
+        return self.fragments[0].feedback
+
     def attach(self, model: nn.Module) -> nn.Module:
         """Bring ``model`` (already wrapped for its layout) to the run's current global parameters,
-        pulling the full state only if it differs."""
+        pulling the full state of a fragment only if it differs."""
         self.model = model
         self.shards = ShardMap(model, self.group.rank, self.group.world)
         if self.shards.num_params != self.info.num_params:
             raise ValueError(
                 f"model has {self.shards.num_params} parameters, the run has {self.info.num_params}"
             )
-        owners = self.group.gather(self.shards.owned_numel > 0)
-        self.part, self.parts = sum(owners[: self.group.rank]), sum(owners)
-        self.feedback = ErrorFeedback(self.shards.owned_numel, self.config.compression.feedback_decay)
+        named = canonical_parameters(model)
+        plan = FragmentPlan.strided([(n, p.numel()) for n, p in named], self.schedule.fragments)
         self.snapshot = self.shards.clone_locals()
-        if self.digest() != self.info.state_hash:
-            self.reload_global_state()
-            log.info("loaded global state of round %d", self.round)
+        self.fragments = []
+        for index, members in enumerate(plan.members):
+            shards = self.shards
+            if plan.count > 1:
+                shards = ShardMap(
+                    ParameterSubset([named[i] for i in members]), self.group.rank, self.group.world
+                )
+            self.fragments.append(FragmentSync(self, index, members, shards, self.states[index]))
+        for f in self.fragments:
+            if f.digest() != f.state_hash:
+                f.reload()
+                log.info("loaded fragment %d's global state of round %d", f.index, f.round)
         return model
 
     def reload_global_state(self) -> None:
         """Replace the parameters and snapshot with the run's current global state."""
-        pulled = self._agreed_pull(full_state=True)
-        self._apply(pulled)
-        self.round, self.finished, self.data = pulled.next_round, pulled.finished, pulled.data
+        for f in self.fragments:
+            pulled = f.reload()
+            if f.settles_data:
+                self.data = pulled.data
+        self.round, self.finished = self.fragments[-1].round, all(f.finished for f in self.fragments)
         self.steps_in_round = self.tokens_in_round = 0
 
     def digest(self, tensors: list[torch.Tensor] | None = None) -> str:
         """The canonical state hash of the site's parameters (or of ``tensors`` laid out like them),
         each rank adding the elements it owns."""
         assert self.shards is not None
-        checksum = Checksum()
-        for owned, view in self.shards.owned_views(tensors):
-            for offset, segment in owned.segment.split_rows(HASH_BLOCK):
-                checksum.add(segment.positions(), subview(view, owned.segment, offset, segment))
-        parts = self.group.gather((checksum.low, checksum.high, checksum.count))
-        total = Checksum()
-        for low, high, count in parts:
-            total = total.merge(Checksum(low, high, count))
-        return total.hexdigest()
+        return _digest(self.shards, self.group, tensors)
 
     def step(self, tokens: int) -> bool:
-        """Count one inner step of ``tokens`` on this rank; every H steps run the outer sync."""
+        """Count one inner step of ``tokens`` on this rank, push and merge the fragments due at
+        this step; True when it closed a round (every H steps)."""
+        if not self.fragments:
+            raise RuntimeError("call attach(model) before training")
         self.steps_in_round += 1
         self.tokens_in_round += tokens
-        if self.steps_in_round < self.config.inner.steps_per_round:
+        at = self.steps_in_round
+        for f in self.fragments:
+            f.tokens += tokens
+            if f.in_flight is not None and at == self.schedule.merge_step(f.index):
+                f.land()
+            elif not f.finished and at == self.schedule.push_step(f.index):
+                f.sync_now() if self.sender is None else f.send()
+        if at < self.schedule.steps:
             return False
-        self.sync()
+        self._close_round()
         return True
 
     def sync(self) -> RoundResult:
-        """Push this rank's part of the round's pseudo-gradient and apply the committed update."""
-        if self.model is None or self.shards is None:
+        """Sync every fragment now, blocking (a fragment in flight lands first), and close the round."""
+        if not self.fragments:
             raise RuntimeError("call attach(model) before syncing")
-        replication = self.group.world // self.data_parallel_size
-        tokens = self.group.sum(self.tokens_in_round) // max(replication, 1)
-        closed = self.round
-        chunks = self._encode_delta()
-        pulled, applied = self._exchange(closed, chunks, tokens)
-        chunks.finish()  # a push cut short (a resync) still leaves the residual of the whole Δ
-        if not applied:
-            self._apply(pulled)
-        digest = self.digest(self.snapshot)
-        if self.group.rank == 0 and digest != pulled.state_hash:
-            log.error(
-                "parameters diverged after round %d: %s != %s", closed, digest[:12], pulled.state_hash[:12]
-            )
-        self.round, self.finished, self.data = pulled.next_round, pulled.finished, pulled.data
+        for f in self.fragments:
+            if f.in_flight is not None:
+                f.land()
+            elif not f.finished:
+                f.sync_now()
+        return self._close_round()
+
+    def drain(self) -> None:
+        """Land every fragment in flight now (blocking): before a checkpoint, the snapshot and
+        the error feedback must not be half way through a round."""
+        for f in self.fragments:
+            if f.in_flight is not None:
+                f.land()
+
+    def _close_round(self) -> RoundResult:
+        last = self.fragments[-1]
+        self.round, self.finished = last.round, all(f.finished for f in self.fragments)
+        tokens = self.tokens_in_round
         self.steps_in_round = self.tokens_in_round = 0
+        # one fragment: its hash is the whole snapshot's, computed when it merged
+        digest = (
+            last.digest_after
+            if len(self.fragments) == 1 and last.digest_after
+            else self.digest(self.snapshot)
+        )
         # after a resync the state is that of a later round than the one this site trained
-        self.last_result = RoundResult(pulled.next_round - 1, digest, tokens, pulled.finished)
-        if self._heartbeat is not None:
-            self._heartbeat.round = self.round
+        self.last_result = RoundResult(last.round - 1, digest, tokens, self.finished)
         return self.last_result
 
-    @torch.no_grad()
-    def _encode_delta(self) -> DeltaEncoding:
-        """Δ = θ_r − θ on the owned elements, plus the error-feedback residual, to be compressed
-        chunk by chunk as the push stream takes it (see :class:`DeltaEncoding`)."""
-        assert self.shards is not None
-        delta = self.shards.gather_owned(self.snapshot)
-        at = 0
-        for owned, view in self.shards.owned_views():
-            n = owned.segment.numel
-            delta[at : at + n].view(view.shape).sub_(view)
-            at += n
-        to_send = self.feedback.compensate(delta)
-        del delta
-        segments = list(self.shards.wire_segments(self.config.compression.chunk_elements))
-        return DeltaEncoding(self.uplink, self.round, to_send, segments, self.feedback.residual)
-
-    def _call(self, fn: Callable[[], T]) -> tuple[T | None, Outcome]:
+    def call(self, fn: Callable[[], T]) -> tuple[T | None, Outcome]:
+        """``fn()`` and OK, or None and what its failure asks the site to do."""
         try:
             return fn(), Outcome.OK
         except Exception as exc:  # every rank must learn of it, or the others would wait forever
             outcome = _outcome(exc)
-            detail = f"{exc.code().name} {exc.details()}" if isinstance(exc, grpc.RpcError) else repr(exc)
-            (log.error if outcome is Outcome.FAILED else log.warning)("rank %d: %s", self.group.rank, detail)
+            (log.error if outcome is Outcome.FAILED else log.warning)("rank %d: %s", self.group.rank, exc)
             return None, outcome
-
-    def _exchange(self, round_: int, chunks: Sequence[WireChunk], tokens: int) -> tuple[PulledPart, bool]:
-        """Push (idempotent) and pull the round's update, all ranks together.
-
-        Recovers from a restarted coordinator that lost the uncommitted contribution (ABORTED:
-        push again) and from a lapsed membership or a round that closed without this site
-        (FAILED_PRECONDITION: rejoin and continue from the coordinator's current state).
-        """
-        resync = False
-        for _ in range(MAX_EXCHANGES):
-            if not resync and chunks:
-                _, outcome = self._call(
-                    lambda: self.client.push(
-                        round_,
-                        self.uplink.spec,
-                        chunks,
-                        tokens,
-                        self.data,
-                        timeout_s=self.pull_timeout_s,
-                        part=self.part,
-                        parts=self.parts,
-                    )
-                )
-                outcome = self.group.agree(outcome)
-                if outcome is Outcome.FAILED:
-                    raise RuntimeError(f"round {round_}: a rank of this site could not push its part")
-                resync = outcome is Outcome.RESYNC
-            elif not resync:
-                self.group.agree(Outcome.OK)  # a rank that owns nothing still takes part
-            if resync:
-                current, _ = self._rejoin()
-                caught = self._catch_up(round_, current)
-                if caught is not None:
-                    return caught, True
-            pulled, outcome = self._call(functools.partial(self._pull, round_, resync))
-            outcome = self.group.agree(outcome)
-            if outcome is Outcome.FAILED:
-                raise RuntimeError(f"round {round_}: a rank of this site could not pull its share")
-            if outcome is Outcome.PUSH_AGAIN:
-                log.warning("round %d: the coordinator lost this contribution; pushing again", round_)
-                continue
-            if outcome is Outcome.RESYNC:
-                log.warning("round %d refused; rejoining and resyncing", round_)
-                resync = True
-                continue
-            assert pulled is not None
-            if len({repr(f) for f in self.group.gather(pulled.facts)}) != 1:
-                log.warning("round %d: ranks pulled different states (a commit in between); again", round_)
-                resync = True
-                continue
-            if not (pulled.finished or pulled.data):
-                # the round committed while this site was counted lost: no data is reserved for it
-                log.warning("round %d: no data assigned (lease lapsed); rejoining", round_)
-                return dataclasses.replace(pulled, data=self._rejoin()[1]), False
-            return pulled, False
-        raise RuntimeError(f"round {round_}: no update after {MAX_EXCHANGES} attempts")
-
-    def _rejoin(self) -> tuple[int, list[Any]]:
-        """Rank 0 joins again; every rank learns the current round and the data it now has."""
-        info, outcome = (None, Outcome.OK)
-        if self.group.rank == 0:
-            info, outcome = self._call(lambda: self.client.join(world_size=self.data_parallel_size))
-        if self.group.agree(outcome) is not Outcome.OK:
-            raise RuntimeError("rejoining the run failed")
-        return self.group.broadcast((info.round, info.data) if info is not None else (0, []))
-
-    def _catch_up(self, round_: int, current: int) -> PulledPart | None:
-        """From θ_round_ (the snapshot) to the current round through the coordinator's kept
-        compressed updates, when only a round or two were missed: the same additions the
-        coordinator made, so the result is bit-identical, for a fraction of the state's bytes.
-        None when that is not possible (too far behind, updates no longer kept, hash differs):
-        the caller pulls the full state."""
-        if not 0 < current - round_ <= CATCH_UP_ROUNDS:
-            return None
-        pulled = None
-        for r in range(round_, current):
-            pulled = self._agreed_pull(full_state=False, round_=r)
-            self._apply(pulled)
-            if pulled.is_full_state:  # no longer kept: the coordinator sent its state instead
-                return pulled
-        assert pulled is not None
-        if self.digest(self.snapshot) != pulled.state_hash:
-            log.warning("catching up from round %d through kept updates missed the hash", round_)
-            return None
-        log.info("caught up from round %d to %d with %d kept updates", round_, current, current - round_)
-        return pulled
-
-    def _pull(self, round_: int, full_state: bool) -> PulledPart:
-        return self.client.pull(
-            round_,
-            full_state=full_state,
-            timeout_s=self.pull_timeout_s,
-            part=self.group.rank,
-            parts=self.group.world,
-        )
-
-    def _agreed_pull(self, full_state: bool, round_: int | None = None) -> PulledPart:
-        """Every rank pulls its share of the same state or update (retried if a commit came in
-        between two ranks' full-state pulls)."""
-        at = self.round if round_ is None else round_
-        for _ in range(MAX_EXCHANGES):
-            pulled, outcome = self._call(functools.partial(self._pull, at, full_state))
-            if self.group.agree(outcome) is not Outcome.OK:
-                raise RuntimeError("pulling the run's state failed")
-            assert pulled is not None
-            if len({repr(f) for f in self.group.gather(pulled.facts)}) == 1:
-                return pulled
-        raise RuntimeError("the run's state kept changing while the site pulled it")
-
-    @torch.no_grad()
-    def _apply(self, pulled: PulledPart) -> None:
-        """Decode every chunk on the ranks that hold its elements: snapshot += update (or = state),
-        then the parameters take the snapshot's values."""
-        assert self.shards is not None
-        codec = parse_pipeline(pulled.codec)
-        written = 0
-        for seq in range(pulled.total_chunks):
-            src = seq % self.group.world
-            chunk = self.group.share_chunk(pulled.chunks.get(seq) if self.group.rank == src else None, src)
-            if not self.shards.holds(chunk.start, chunk.numel):
-                continue
-            values = codec.decode(
-                chunk.payload, chunk.numel, Place.span(pulled.round, chunk.start, chunk.numel)
-            )
-            written += self.shards.scatter_range(
-                chunk.start, values, self.snapshot, add=not pulled.is_full_state
-            )
-        if written != self.shards.local_numel:
-            raise RuntimeError(
-                f"the pulled chunks covered {written} of this rank's {self.shards.local_numel} elements"
-            )
-        for piece, values in zip(self.shards.pieces, self.snapshot, strict=True):
-            piece.local.copy_(values)
 
     @property
     def pull_timeout_s(self) -> float:
@@ -429,34 +685,46 @@ class OuterSync:
     def report(
         self, eval_loss_sum: float, eval_count: int, train_loss: float, compute_seconds: float
     ) -> None:
-        """Tell the coordinator this site's hash and metrics for the round just closed (rank 0)."""
-        if self.group.rank != 0 or self.last_result is None:
+        """Tell the coordinator this site's hash of every fragment merged since the last report,
+        with the metrics of the round just closed on the fragment that closes it (rank 0)."""
+        if self.group.rank != 0:
             return
-        r = self.last_result
-        try:
-            response = self.client.report(
-                r.round, r.state_hash, eval_loss_sum, eval_count, train_loss, r.tokens, compute_seconds
-            )
-        except grpc.RpcError as exc:  # metrics only: never worth stopping the training for
-            log.warning("report of round %d failed: %s %s", r.round, exc.code().name, exc.details())
-            return
-        if not response.hash_ok:
-            log.error("coordinator reports a hash mismatch after round %d", r.round)
+        while self.merged:
+            m = self.merged.popleft()
+            metrics = m.fragment == len(self.fragments) - 1
+            try:
+                ok = self.link.report(
+                    m.fragment,
+                    m.round,
+                    m.state_hash,
+                    eval_loss_sum if metrics else 0.0,
+                    eval_count if metrics else 0,
+                    train_loss,
+                    m.tokens,
+                    compute_seconds if metrics else 0.0,
+                )
+            except LinkError as exc:  # metrics only: never worth stopping the training for
+                log.warning("report of fragment %d round %d failed: %s", m.fragment, m.round, exc)
+                continue
+            if not ok:
+                log.error(
+                    "coordinator reports a hash mismatch of fragment %d after round %d", m.fragment, m.round
+                )
 
     def close(self, reason: str = "done") -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
+        if self.sender is not None:
+            self.sender.shutdown(wait=True, cancel_futures=True)
         if self.group.rank == 0:
             try:
-                self.client.leave(reason)
-            except grpc.RpcError as exc:  # its lease may have lapsed already: nothing to undo
-                log.warning("leave failed: %s %s", exc.code().name, exc.details())
-        self.client.close()
+                self.link.leave(reason)
+            except LinkError as exc:  # its lease may have lapsed already: nothing to undo
+                log.warning("leave failed: %s", exc)
+        self.link.close()
 
     @property
     def bytes_sent(self) -> int:
-        return self.client.bytes_sent
+        return self.link.bytes_sent
 
     @property
     def bytes_received(self) -> int:
-        return self.client.bytes_received
+        return self.link.bytes_received

@@ -7,17 +7,22 @@ local tensors to :class:`Segment` s of the canonical vector (strided boxes, beca
 column-sharded matrix is not contiguous), and splits every piece that several ranks hold
 (replicated parameters) among those ranks, so that each element is *owned* by exactly one rank
 of the site. A rank pushes only what it owns, and nothing ever gathers the full model.
+
+A pipeline stage holds some parameters only: its model carries a :class:`StagePlacement` (the
+whole model's parameter list and which stages hold what), so offsets are those of the whole
+model and a parameter held by several stages (a tied embedding) is split among all its holders.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, _mesh_resources
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -25,6 +30,34 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from geodiloco.params import canonical_parameters
 from geodiloco.segment import Segment
+
+PP_DIM = "pp"  # the mesh dim of pipeline stages: ranks along it hold different parameters
+PLACEMENT_ATTR = "geodiloco_stage_placement"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StagePlacement:
+    """Where a pipeline stage's parameters lie in the whole model.
+
+    ``canonical``: every parameter of the whole model (canonical name, shape), in canonical order;
+    ``holders``: the stages holding each; ``stage``: this rank's; ``dp_index`` of ``dp_count``:
+    this rank among the ranks of its stage (which all hold its plain tensors). The groups are
+    for reductions over replicas (checkpoint): the stage's ranks, and per set of several holders
+    the group of this rank's copies in those stages (None where it would be alone)."""
+
+    canonical: tuple[tuple[str, tuple[int, ...]], ...]
+    holders: dict[str, tuple[int, ...]]
+    stage: int
+    dp_index: int = 0
+    dp_count: int = 1
+    stage_group: ProcessGroup | None = None
+    shared: dict[tuple[int, ...], ProcessGroup] = field(default_factory=dict)
+
+
+def stage_placement(model: nn.Module) -> StagePlacement | None:
+    """The placement :func:`geodiloco.site.pipeline.split_stage` left on a stage's model, if any."""
+    placement = getattr(model, PLACEMENT_ATTR, None)
+    return placement if isinstance(placement, StagePlacement) else None
 
 
 @dataclass(slots=True)
@@ -103,18 +136,63 @@ def replica_dims(p: DTensor) -> tuple[DeviceMesh, list[int]]:
     return root, [d for d, name in enumerate(root_names) if name not in kept]
 
 
-def _replicas(p: torch.Tensor, rank: int, world: int) -> tuple[tuple[int, ...], int, int]:
+def _without_stages(p: DTensor) -> tuple[DeviceMesh, list[int]]:
+    """:func:`replica_dims` less the pipeline dim: other stages hold other parameters."""
+    root, dims = replica_dims(p)
+    names = root.mesh_dim_names
+    return root, [d for d in dims if names is None or names[d] != PP_DIM]
+
+
+def _stage_replicas(name: str, p: torch.Tensor, placement: StagePlacement) -> tuple[Key, int, int]:
+    """As :func:`_replicas` for a pipeline stage: the ranks of its stage (by its mesh dims but
+    ``pp``) times the stages holding the parameter."""
+    if isinstance(p, DTensor):
+        root, dims = _without_stages(p)
+        coord = root.get_coordinate()
+        assert coord is not None
+        index, count = 0, 1
+        for dim in dims:
+            index, count = index * root.size(dim) + coord[dim], count * root.size(dim)
+    else:
+        dims, index, count = [-1], placement.dp_index, placement.dp_count
+    holders = placement.holders[name]
+    return (tuple(dims), holders), holders.index(placement.stage) * count + index, count * len(holders)
+
+
+def replica_groups(name: str, p: torch.Tensor, placement: StagePlacement | None) -> list[ProcessGroup | None]:
+    """The groups over which ranks hold the same local piece of ``p`` (None: the default group),
+    so that a sum over each, in turn, adds up every replica's part."""
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if placement is None:
+        if not isinstance(p, DTensor):
+            return [None] if distributed else []
+        mesh, dims = replica_dims(p)
+        return [mesh.get_group(d) for d in dims if mesh.size(d) > 1]
+    groups: list[ProcessGroup | None] = []
+    if isinstance(p, DTensor):
+        mesh, dims = _without_stages(p)
+        groups += [mesh.get_group(d) for d in dims if mesh.size(d) > 1]
+    elif placement.dp_count > 1:
+        groups.append(placement.stage_group)
+    shared = placement.shared.get(placement.holders[name])
+    return groups + ([shared] if shared is not None else [])
+
+
+Key = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _replicas(p: torch.Tensor, rank: int, world: int) -> tuple[Key, int, int]:
     """Which ranks hold the same local piece of ``p`` (a key naming the mesh dims), this rank's
     index among them and their count."""
     if not isinstance(p, DTensor):
-        return (-1,), rank, world  # a plain tensor: every rank of the site holds all of it
+        return ((-1,), ()), rank, world  # a plain tensor: every rank of the site holds all of it
     root, replicated = replica_dims(p)
     coord = root.get_coordinate()
     assert coord is not None
     index, count = 0, 1
     for dim in replicated:
         index, count = index * root.size(dim) + coord[dim], count * root.size(dim)
-    return tuple(replicated), index, count
+    return (tuple(replicated), ()), index, count
 
 
 def _piece(name: str, p: torch.Tensor, offset: int) -> Piece:
@@ -167,16 +245,26 @@ class ShardMap:
         rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
         world = world if world is not None else (dist.get_world_size() if dist.is_initialized() else 1)
         self.pieces: list[Piece] = []
-        groups: dict[tuple[int, ...], list[tuple[int, Piece]]] = {}
-        share_of: dict[tuple[int, ...], tuple[int, int]] = {}
+        groups: dict[Key, list[tuple[int, Piece]]] = {}
+        share_of: dict[Key, tuple[int, int]] = {}
+        placement = stage_placement(model)
+        held = dict(canonical_parameters(model))
+        whole = [(n, tuple(p.shape)) for n, p in held.items()] if placement is None else placement.canonical
         offset = 0
-        for i, (name, p) in enumerate(canonical_parameters(model)):
-            piece = _piece(name, p, offset)
-            offset += p.numel()
-            self.pieces.append(piece)
-            key, index, count = _replicas(p, rank, world)
-            groups.setdefault(key, []).append((i, piece))
-            share_of[key] = (index, count)
+        for name, shape in whole:
+            p = held.pop(name, None)
+            if p is not None:
+                piece = _piece(name, p, offset)
+                if placement is None:
+                    key, index, count = _replicas(p, rank, world)
+                else:
+                    key, index, count = _stage_replicas(name, p, placement)
+                groups.setdefault(key, []).append((len(self.pieces), piece))
+                share_of[key] = (index, count)
+                self.pieces.append(piece)
+            offset += math.prod(shape)
+        if held:
+            raise ValueError(f"parameters {sorted(held)} are not in the stage placement's list")
         owned = [o for key, members in groups.items() for o in _share(members, *share_of[key])]
         self.owned: list[Owned] = sorted(owned, key=lambda o: o.segment.start)
         self.num_params = offset

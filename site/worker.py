@@ -45,6 +45,7 @@ from geodiloco.security.chunks import KeyMismatch
 from geodiloco.security.secrets import load_secret
 from geodiloco.security.tls import TlsFiles
 from geodiloco.site.client import transient
+from geodiloco.site.grpc_link import GrpcLink
 from geodiloco.site.launcher import EXIT_REFUSED, REFUSAL_FILE_ENV
 from geodiloco.site.layout import (
     PRECISIONS,
@@ -169,7 +170,8 @@ def train(
             exit_refused(rank, exc)
         raise
     cfg = sync.config
-    sync.client.patience_s = cfg.round_timeout_s  # every rank retries a lost coordinator alike
+    if isinstance(sync.link, GrpcLink):  # every rank retries a lost coordinator alike
+        sync.link.client.patience_s = cfg.round_timeout_s
     logs.bind(run=sync.info.run_id, round=lambda: sync.round)  # ops: run/round on every log line
     telemetry = SiteTelemetry.start(  # ops: metrics and progress (rank 0)
         site, rank, cfg.rounds * cfg.inner.steps_per_round, lambda: (sync.bytes_sent, sync.bytes_received)

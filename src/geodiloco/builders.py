@@ -35,6 +35,7 @@ from torch import nn
 
 from geodiloco.config import ConfigError
 from geodiloco.workload.data import DataRange
+from geodiloco.workload.datasets import DataSource, ItemData, adapt
 from geodiloco.workload.loss import Batch, LossFn, check_loss
 
 if TYPE_CHECKING:
@@ -71,6 +72,9 @@ class SiteData(Protocol):
     def eval_batches(self, part: int, parts: int) -> Iterable[Batch]:
         """Evaluator ``part`` of ``parts``'s share of a fixed held-out set (disjoint shares)."""
         ...
+
+
+_SITE_DATA = ("shard_sizes", "batch", "tokens", "eval_batches")
 
 
 class ModelBuilder(Protocol):
@@ -186,12 +190,20 @@ def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
 
 
 def build_data(cfg: RunConfig) -> SiteData:
-    data = load_builder(cfg, "data")(cfg)
-    missing = [name for name in ("shard_sizes", "batch", "tokens", "eval_batches") if not hasattr(data, name)]
-    if missing:
+    """The data builder's result as :class:`SiteData`: its own, or a dataset adapted to the ledger
+    (:mod:`geodiloco.workload.datasets`). Sizing it reads no item."""
+    made = load_builder(cfg, "data")(cfg)
+    data: SiteData
+    if all(hasattr(made, name) for name in _SITE_DATA):
+        data = made
+    elif isinstance(made, DataSource) or (hasattr(made, "__len__") and hasattr(made, "__getitem__")):
+        data = adapt(made, cfg)
+    else:
+        missing = [name for name in _SITE_DATA if not hasattr(made, name)]
         raise BuilderError(
-            f"workload.data: {cfg.workload.data} returned {type(data).__name__}, "
-            f"which lacks {', '.join(missing)} (see geodiloco.builders.SiteData)"
+            f"workload.data: {cfg.workload.data} returned {type(made).__name__}, which is neither a "
+            f"map-style dataset (len and []), a geodiloco.workload.datasets.DataSource, nor SiteData "
+            f"(it lacks {', '.join(missing)}; see geodiloco.builders.SiteData)"
         )
     sizes = list(data.shard_sizes)
     if len(sizes) != cfg.data.shards or min(sizes) < 1:
@@ -232,7 +244,7 @@ def _blame(key: str, what: str, hint: str = "") -> Iterator[None]:
     ``hint`` is added to a signature mismatch (TypeError)."""
     try:
         yield
-    except BuilderError:
+    except ConfigError:  # already one line naming its field
         raise
     except Exception as exc:
         extra = hint if isinstance(exc, TypeError) else ""
@@ -250,12 +262,24 @@ def first_batch(cfg: RunConfig, data: SiteData) -> Batch:
     """The batch a one-rank site would take at its first step on shard 0."""
     end = min(data.shard_sizes[0], cfg.data.batch_size)
     batch = _call("data", "batch()", lambda: data.batch([DataRange(0, 0, end)], 0, 0, 1))
+    return _tensors(cfg, batch)
+
+
+def _tensors(cfg: RunConfig, batch: Any) -> Batch:
     if not isinstance(batch, tuple) or not all(isinstance(t, torch.Tensor) for t in batch):
         raise BuilderError(
             f"workload.data: {cfg.workload.data} gave a batch of {type(batch).__name__}, "
             "not a tuple of tensors (*inputs, targets)"
         )
     return batch
+
+
+def _check_tokens(cfg: RunConfig, data: SiteData, batch: Batch) -> None:
+    tokens = _call("data", "tokens()", lambda: data.tokens(batch))
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+        raise BuilderError(
+            f"workload.data: {cfg.workload.data}'s tokens(batch) gave {tokens!r}, not a positive int"
+        )
 
 
 def _loss_on(cfg: RunConfig, loss_fn: LossFn, model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -271,11 +295,17 @@ def _loss_on(cfg: RunConfig, loss_fn: LossFn, model: nn.Module, batch: Batch) ->
 def check_workload(cfg: RunConfig) -> None:
     """The coordinator's dry step, before it serves: build every builder's result and take one
     inner step (forward, loss, backward, optimizer step) on a throwaway model, then score one
-    held-out batch in eval mode. Raises :class:`BuilderError` (one line) on any mismatch."""
+    held-out batch in eval mode. Raises :class:`BuilderError` (one line) on any mismatch.
+
+    For a dataset adapted to the ledger (:class:`ItemData`) it stops after the builders and the
+    shard sizes: the coordinator never reads items, and each site's :func:`check_site_step`
+    takes the dry step on its first batches before training."""
     model = build_model(cfg)
     data = build_data(cfg)
     loss_fn = build_loss(cfg)
     optimizer = build_optimizer(model, cfg)
+    if isinstance(data, ItemData):  # a dataset: the coordinator reads no item (the sites' dry step does)
+        return
     batch = first_batch(cfg, data)
     model.train()
     loss = _loss_on(cfg, loss_fn, model, batch)
@@ -288,11 +318,7 @@ def check_workload(cfg: RunConfig) -> None:
         loss.backward()
     with _blame("optimizer", f"{cfg.workload.optimizer}'s step()"):
         optimizer.step()
-    tokens = _call("data", "tokens()", lambda: data.tokens(batch))
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
-        raise BuilderError(
-            f"workload.data: {cfg.workload.data}'s tokens(batch) gave {tokens!r}, not a positive int"
-        )
+    _check_tokens(cfg, data, batch)
     check_site_step(cfg, model, data, loss_fn)
 
 
@@ -301,11 +327,16 @@ def check_site_step(
 ) -> None:
     """A site's dry step before its first inner step: score the first held-out batch with the
     site's own (wrapped) model in eval mode, without gradients, so nothing changes. Every rank
-    of a site calls it (the model may be sharded); raises :class:`BuilderError` (one line)."""
+    of a site calls it (the model may be sharded); raises :class:`BuilderError` (one line).
+    Data the coordinator did not read (a dataset, :class:`ItemData`) also gives its first
+    training batch here, checked for its form and its token count."""
+    if isinstance(data, ItemData):
+        _check_tokens(cfg, data, first_batch(cfg, data))
     batches = _call("data", "eval_batches()", lambda: iter(data.eval_batches(0, 1)))
-    batch = _call("data", "eval_batches()", lambda: next(batches, None))
-    if batch is None:
+    found = _call("data", "eval_batches()", lambda: next(batches, None))
+    if found is None:
         raise BuilderError(f"workload.data: {cfg.workload.data}'s eval_batches(0, 1) is empty")
+    batch = _tensors(cfg, found)
     if device is not None:  # the batch goes where the model's parameters live
         batch = tuple(t.to(device) for t in batch)
     was_training = model.training

@@ -49,6 +49,35 @@ def _require(cond: bool, field_name: str, message: str) -> None:
 
 
 @dataclass(kw_only=True, slots=True)
+class ModelConfig(GPTConfig):
+    """The reference model's shape. ``experts`` > 0 makes every block's MLP a mixture of that
+    many experts (:mod:`geodiloco.workload.moe`): each token goes to its ``top_k`` experts, and a
+    load-balancing loss weighted ``aux_loss_weight`` keeps the router from favouring a few."""
+
+    experts: int = 0  # 0: the dense reference model
+    top_k: int = 2
+    aux_loss_weight: float = 0.01
+
+    def __post_init__(self) -> None:
+        GPTConfig.__post_init__(self)  # zero-argument super() fails in a slotted dataclass
+        _require(
+            self.experts == 0 or self.experts >= 2,
+            "model.experts",
+            f"must be 0 (a dense model) or >= 2, got {self.experts}",
+        )
+        _require(
+            self.top_k >= 1 and (self.experts == 0 or self.top_k <= self.experts),
+            "model.top_k",
+            f"must be in [1, model.experts ({self.experts})], got {self.top_k}",
+        )
+        _require(
+            0 <= self.aux_loss_weight < float("inf"),
+            "model.aux_loss_weight",
+            f"must be >= 0 and finite, got {self.aux_loss_weight}",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
 class DataConfig:
     """Training text. Empty ``paths`` means the running interpreter's standard library."""
 
@@ -138,6 +167,13 @@ class OuterConfig:
     lr: float = 0.7
     momentum: float = 0.9
     warmup_rounds: int = 0
+    # Streaming DiLoCo: the model is synced in `fragments` fragments at staggered steps; each
+    # fragment's exchange overlaps `overlap_steps` inner steps (0: the site waits, as DiLoCo
+    # does), then the global fragment is mixed in: local <- mix_alpha·local + (1 - mix_alpha)·global
+    # (with overlap_steps 0 the parameters take the global values).
+    fragments: int = 1
+    overlap_steps: int = 0
+    mix_alpha: float = 0.5
 
     def __post_init__(self) -> None:
         _require(
@@ -148,6 +184,9 @@ class OuterConfig:
         _require(self.lr > 0, "outer.lr", f"must be > 0, got {self.lr}")
         _require(0 <= self.momentum < 1, "outer.momentum", f"must be in [0, 1), got {self.momentum}")
         _require(self.warmup_rounds >= 0, "outer.warmup_rounds", "must be >= 0")
+        _require(self.fragments >= 1, "outer.fragments", f"must be >= 1, got {self.fragments}")
+        _require(self.overlap_steps >= 0, "outer.overlap_steps", f"must be >= 0, got {self.overlap_steps}")
+        _require(0 <= self.mix_alpha < 1, "outer.mix_alpha", f"must be in [0, 1), got {self.mix_alpha}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -259,7 +298,7 @@ class RunConfig:
     # as its compressed update only (a restart replays them), and a graceful stop snapshots too
     snapshot_every: int = 10
     seed: int = 1234
-    model: GPTConfig = field(default_factory=GPTConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
@@ -288,6 +327,18 @@ class RunConfig:
             "min_sites",
             f"must be in [0, {len(self.sites)}] (0: half of the sites, rounded up), got {self.min_sites}",
         )
+        _require(
+            self.outer.fragments <= self.inner.steps_per_round,
+            "outer.fragments",
+            f"must be <= inner.steps_per_round ({self.inner.steps_per_round}), got {self.outer.fragments}",
+        )
+        spacing = self.inner.steps_per_round // self.outer.fragments
+        _require(
+            self.outer.overlap_steps < spacing,
+            "outer.overlap_steps",
+            f"must be < inner.steps_per_round // outer.fragments ({spacing}): one fragment on the "
+            f"WAN at a time; got {self.outer.overlap_steps}",
+        )
         _require(self.round_timeout_s > 0, "round_timeout_s", "must be > 0")
         _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
         _require(self.snapshot_every > 0, "snapshot_every", f"must be > 0, got {self.snapshot_every}")
@@ -315,8 +366,11 @@ class RunConfig:
             "n_head": ("model",),
             "d_model": ("model",),
             "seq_len": ("model", "data"),  # the reference data's window length too
+            "experts": ("model",),
+            "top_k": ("model",),
+            "aux_loss_weight": ("model",),
         }
-        default = GPTConfig()
+        default = ModelConfig()
         for name, keys in readers.items():
             if all(getattr(self.workload, key) != REFERENCE_BUILDERS[key] for key in keys):
                 _require(

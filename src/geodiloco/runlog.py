@@ -7,14 +7,14 @@ which `geodiloco report` plots and summarises.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geodiloco.coordinator.journal import EVENTS_FILE
-from geodiloco.coordinator.rounds import ROUND_LOG
+from geodiloco.coordinator.errors import CorruptStateError
+from geodiloco.coordinator.journal import read_lines
+from geodiloco.coordinator.rundir import EVENTS_FILE, ROUND_LOG
 
 CONTRIBUTING = ("accepted", "part")  # push outcomes that carried a contribution's bytes
 
@@ -68,15 +68,11 @@ def find_run_dir(path: Path) -> Path:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise RunLogError(f"{path}:{number}: not JSON ({exc.msg})") from None
-    return out
+    """A journal's whole lines (a line still being written is left out)."""
+    try:
+        return read_lines(path)
+    except CorruptStateError as exc:
+        raise RunLogError(str(exc)) from None
 
 
 def load_run(path: Path) -> RunLog:

@@ -100,3 +100,20 @@ def test_zstd_decompression_bomb_is_refused() -> None:
         frame = envelope.seal(pipeline.tag, 1000, b"\0" * stored + bomb)
         with pytest.raises(CodecError, match="declares"):
             pipeline.decode(frame, 1000)
+
+
+@pytest.mark.parametrize(
+    "spec", ["q8|zstd:1", "q4", "fp32|zstd:1", "fp32", "topk:0.1|q8", "cyclic:0.5|q2|zstd:1"]
+)
+def test_roundtrip_values_are_the_decoded_frame_and_never_alias_the_input(spec: str) -> None:
+    """The CPU roundtrip decodes the encoder's raw bytes instead of the frame: the same values,
+    in a tensor of their own (the commit subtracts them from the very tensor it encoded)."""
+    pipeline = parse_pipeline(spec)
+    x = torch.randn(5000) * 1e-2
+    place = Place.span(2, 100, x.numel())
+    data, values = pipeline.roundtrip(x, place)
+    assert torch.equal(values.view(torch.int32), pipeline.decode(data, x.numel(), place).view(torch.int32))
+    assert torch.equal(pipeline.decode_raw(pipeline.unpack(data, x.numel(), place), x.numel(), place), values)
+    before = values.clone()
+    x.sub_(values)
+    assert torch.equal(values, before)

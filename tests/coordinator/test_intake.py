@@ -1,9 +1,12 @@
-"""Push intake: compressed staging, interval coverage, and a broken push never reaching the mean."""
+"""Push intake: staging of checked raw bytes, interval coverage, and a broken push never reaching the mean."""
 
 from __future__ import annotations
 
 import io
+import math
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -11,8 +14,10 @@ import pytest
 import torch
 
 from geodiloco.compression import envelope, parse_pipeline
+from geodiloco.config import LimitsConfig
+from geodiloco.coordinator.aggregator import sum_of_squares
 from geodiloco.coordinator.errors import InvalidArgument
-from geodiloco.coordinator.intake import Staged
+from geodiloco.coordinator.intake import Intake, Staged
 from geodiloco.segment import Segment
 from geodiloco.site.client import OuterSyncClient, WireChunk, delta_messages
 from geodiloco.v1 import outer_sync_pb2_grpc
@@ -40,6 +45,32 @@ def test_coverage_of_column_shards_is_checked_on_intervals() -> None:
         staged([head, left, tail]).check_covered(100)
     with pytest.raises(InvalidArgument, match="overlap at element 7"):
         staged([head, left, Segment(7, rows, 6, cols), Segment(63, 1, 37, 37)]).check_covered(100)
+
+
+def test_a_push_is_decoded_once_and_folded_from_its_staged_raw_bytes() -> None:
+    """Staged: the checked decode's raw bytes (int8 codes and scales, no zstd); the fold turns
+    them into exactly the values a decode of the frames gives."""
+    pipeline, n, size = parse_pipeline(CODEC), 10_000, 3000
+    intake = Intake(pipeline, n, size, LimitsConfig(), opener=bytes)
+    s = Staged(0, 1, 1, [], pipeline, tempfile.TemporaryFile())  # noqa: SIM115 (closed below)
+    attempt = s.begin(0, 1, 1, [])
+    assert attempt is not None
+    delta, expected = torch.randn(n) * 1e-3, torch.zeros(n)
+    for start in range(0, n, size):
+        segment = Segment(start, 1, min(size, n - start), min(size, n - start))
+        frame = pipeline.encode(segment.view_of(delta))
+        raw, sumsq = intake.decode_checked(frame, 0, segment, start // size)
+        decoded = pipeline.decode(frame, segment.numel)
+        assert raw.numel() == pipeline.raw_size(segment.numel) and sumsq == sum_of_squares(decoded)
+        s.stage(0, attempt, segment, raw.numpy().data, sumsq, n)
+        segment.view_of(expected).add_(decoded, alpha=3.0)
+    s.check_covered(n)
+    total = torch.zeros(n)
+    with ThreadPoolExecutor(2) as pool:
+        s.fold_into(total, 3.0, pool)
+    assert torch.equal(total, expected)
+    assert s.staged_bytes == sum(pipeline.raw_size(min(size, n - a)) for a in range(0, n, size))
+    s.close()
 
 
 def test_an_abandoned_attempt_leaves_nothing_and_its_late_chunks_are_dropped() -> None:
@@ -107,3 +138,12 @@ def test_compressed_staging_never_folds_a_broken_push() -> None:
         expected = torch.cat([received(delta[:half]), received(delta[half:])])
         assert torch.equal(c.mean.total, expected * 100.0)
         a.close(), b.close()
+
+
+def test_sum_of_squares_is_fast_yet_exact_about_what_is_finite() -> None:
+    """An fp32 dot first; the float64 sum only tells an fp32 overflow from a NaN or Inf."""
+    assert sum_of_squares(torch.tensor([3.0, 4.0])) == 25.0
+    assert sum_of_squares(torch.tensor([1e30, 1e30])) == pytest.approx(2e60)  # overflows fp32 only
+    assert math.isnan(sum_of_squares(torch.tensor([1.0, float("nan")])))
+    assert sum_of_squares(torch.tensor([1.0, float("-inf")])) == float("inf")
+    assert sum_of_squares(torch.zeros(0)) == 0.0

@@ -68,3 +68,33 @@ def test_audit_finds_overlaps_and_gaps() -> None:
 def test_empty_shards_are_refused() -> None:
     with pytest.raises(ValueError):
         DataLedger.create([3, 0], SITES)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "windows"),
+    [([1979, 1979, 1979], 12), ([50, 37, 41], 12), ([10, 10, 10], 25)],
+    ids=["issue-16-config", "uneven", "round-bigger-than-a-shard"],
+)
+def test_as_many_shards_as_sites_never_runs_dry(sizes: list[int], windows: int) -> None:
+    """`data.shards == sites` (issue 16 item 2): a site whose shard runs out mid-round continues
+    into that shard's next epoch instead of taking a neighbour's, so no site is ever left
+    without data, over many epochs and with dropped contributions; every window once per epoch."""
+    ledger = DataLedger.create(sizes, SITES)
+    rng = random.Random(3)
+    for r in range(400):
+        for site in SITES:
+            ledger.reserve(site, windows)
+        ledger.settle(r, {s for s in SITES if rng.random() > 0.1})
+    assert min(s.epoch for s in ledger.shards) >= 2
+    assert check_exactly_once(ledger.consumed, sizes) == []
+
+
+def test_a_reservation_wraps_into_its_shards_next_epoch() -> None:
+    ledger = DataLedger.create([10, 10], ["a", "b"])
+    ledger.reserve("a", 8), ledger.reserve("b", 8)
+    ledger.settle(0, {"a", "b"})
+    assert ledger.reserve("a", 8) == [DataRange(0, 8, 10, 0), DataRange(0, 0, 6, 1)]
+    assert ledger.reserve("b", 8) == [DataRange(1, 8, 10, 0), DataRange(1, 0, 6, 1)]
+    ledger.settle(1, {"a"})  # b's round was dropped: its cursor stays in epoch 0
+    assert ledger.reserve("b", 8) == [DataRange(1, 8, 10, 0), DataRange(1, 0, 6, 1)]
+    assert ledger.reserve("a", 8) == [DataRange(0, 6, 10, 1), DataRange(0, 0, 4, 2)]

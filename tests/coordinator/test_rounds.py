@@ -13,8 +13,9 @@ from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError, load_st
 from geodiloco.coordinator.errors import ContributionMissing, FailedPrecondition, LateContribution
 from geodiloco.coordinator.reports import REPORT_LOG
 from geodiloco.coordinator.rounds import RoundController
+from geodiloco.coordinator.server import data_shard_sizes
 from geodiloco.params import state_hash
-from helpers import tiny_config
+from helpers import ledger_problems, round_log, tiny_config
 
 N = 1000
 
@@ -233,3 +234,44 @@ async def test_a_torn_round_log_line_is_rewritten_on_restart(tmp_path: Path) -> 
         (c.hashes[0], c.hashes[1]),
         (c.hashes[1], c.hashes[2]),
     ]
+
+
+async def test_a_torn_report_line_then_two_restarts(tmp_path: Path) -> None:
+    """The torn tail is cut on the first restart, so the next report does not glue onto it and
+    the restart after that still opens the run directory (issue 16 item 3)."""
+    c = controller(tmp_path)
+    await _one_round(c)
+    await c.report("site-a", "", 0, c.hashes[1], 1.0, 1, 1.0)
+    with open(tmp_path / REPORT_LOG, "a") as f:
+        f.write('{"round": 0, "site": "site-b", "hash_')  # the crash hit mid-append
+    first = controller(tmp_path)
+    await join_all(first)
+    await first.report("site-b", "", 0, c.hashes[1], 3.0, 1, 1.0)
+    second = controller(tmp_path)
+    assert second.history[0].hash_reports == {"site-a": True, "site-b": True}
+    assert second.history[0].eval_loss_sum == 4.0
+    assert (tmp_path / REPORT_LOG).read_text().count("\n") == 2
+
+
+async def test_as_many_shards_as_sites_commits_until_the_run_ends(tmp_path: Path) -> None:
+    """The issue's config at small scale (3 sites, `data.shards=3`, `data.max_bytes=100000`):
+    rounds go on while the shards run dry twice over, never an exception inside a commit, and
+    the ledger audit stays clean (issue 16 item 2)."""
+    cfg = tiny_config(
+        sites=["site-a", "site-b", "site-c"],
+        rounds=30,
+        data__shards=3,
+        data__max_bytes=100_000,
+        inner__steps_per_round=40,  # 160 windows a round: a shard of ~1979 runs dry every ~12
+        limits__max_delta_norm_ratio=0.0,
+    )
+    c = RoundController(cfg, torch.zeros(N), data_shard_sizes(cfg), tmp_path)
+    await join_all(c)
+    while not c.finished:
+        for site in cfg.sites:
+            assert c.data_for(site), f"round {c.round}: no data for {site}"
+            await c.contribute(site, "", c.round, 100, torch.full((N,), 1e-3))
+    assert [h.round for h in c.history] == list(range(30))
+    assert all(len(h.contributors) == 3 for h in c.history)
+    assert min(s.epoch for s in c.ledger.shards) >= 2
+    assert ledger_problems(round_log(tmp_path), cfg) == []

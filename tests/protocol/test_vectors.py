@@ -19,6 +19,7 @@ from google.protobuf.json_format import ParseDict
 from geodiloco.compression import CodecError, parse_pipeline
 from geodiloco.params import state_hash
 from geodiloco.security.chunks import open_delta, open_update
+from geodiloco.security.joinproof import join_proof
 from geodiloco.security.sealing import Sealer, SealError, SiteKeys
 from geodiloco.security.secrets import site_secret
 from geodiloco.v1 import outer_sync_pb2
@@ -82,6 +83,15 @@ def test_python_opens_every_sealed_vector() -> None:
         msg.header.start += 1  # any field of the AAD moved: the tag fails
         with pytest.raises(SealError):
             open_delta(sealer, msg) if kind == "DeltaChunk" else open_update(sealer, msg)
+
+
+def test_python_join_proofs_match() -> None:
+    v = load("sealing")
+    secret = bytes.fromhex(v["site_secret"])
+    for case in v["join_proofs"]:
+        proof = join_proof(secret, case["run_id"], v["site"], case["world_size"])
+        assert proof.hex() == case["proof"]
+        assert join_proof(secret, case["run_id"], v["site"], case["world_size"] + 1) != proof
 
 
 def test_python_hashes_match() -> None:

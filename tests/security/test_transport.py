@@ -5,12 +5,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from geodiloco.security.chunks import KeyMismatch
 from geodiloco.security.secrets import load_secret
 from geodiloco.site.client import OuterSyncClient
 from geodiloco.status import fetch_status, request_shutdown
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
-from helpers import CoordinatorThread
+from helpers import CoordinatorThread, tiny_config
 
 from .conftest import (
     Pki,
@@ -111,19 +110,39 @@ def test_admin_rpcs_need_an_admin_certificate(coordinator: CoordinatorThread, pk
     assert coordinator.running.stop.is_set()  # type: ignore[union-attr]
 
 
-def test_site_with_the_wrong_secret_is_told_so_at_join(
+def test_site_with_the_wrong_secret_is_refused_at_join_and_never_a_member(
     coordinator: CoordinatorThread, pki: Pki, other_pki: Pki
 ) -> None:
+    """The key proof in Join (issue 16 item 5): refused before membership, so nothing waits for it."""
     files, _ = pki.sites["site-a"]
     wrong = OuterSyncClient(
         coordinator.target, "site-a", tls=files, site_secret=load_secret(other_pki.sites["site-a"][1])
     )
-    with pytest.raises(KeyMismatch, match="the run expects"):
-        wrong.join()
+    err = refused(wrong.join)
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "does not hold its secret" in (err.details() or "")
     no_secret = OuterSyncClient(coordinator.target, "site-a", tls=files)
-    with pytest.raises(KeyMismatch, match="seals payloads"):
-        no_secret.join()
+    err = refused(no_secret.join)
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED and "must prove its secret" in (err.details() or "")
+    # another site's secret (same run secret) proves nothing for site-a either
+    _, secret_b = pki.sites["site-b"]
+    other_site = OuterSyncClient(coordinator.target, "site-a", tls=files, site_secret=load_secret(secret_b))
+    assert refused(other_site.join).code() == grpc.StatusCode.UNAUTHENTICATED
+    assert coordinator.controller.sites["site-a"].state == "absent"
+    assert "site-a" not in coordinator.controller.live_sites()
+    assert coordinator.controller.ledger.reservation("site-a") is None
     assert_unchanged(coordinator)
+    pki.client(coordinator.target, "site-a").join()  # the right secret is admitted
+    assert coordinator.controller.sites["site-a"].state == "joined"
+
+
+def test_a_site_with_a_secret_is_refused_by_a_run_that_does_not_seal(pki: Pki) -> None:
+    with CoordinatorThread(tiny_config()) as plain:
+        _, secret = pki.sites["site-a"]
+        client = OuterSyncClient(plain.target, "site-a", site_secret=load_secret(secret))
+        err = refused(client.join)
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "does not seal" in (err.details() or "")
+        assert plain.controller.sites["site-a"].state == "absent"
 
 
 def test_a_full_run_over_mtls_with_sealed_payloads(coordinator: CoordinatorThread, pki: Pki) -> None:

@@ -2,7 +2,7 @@
 import * as grpc from "@grpc/grpc-js";
 import * as protoLoader from "@grpc/proto-loader";
 import { fileURLToPath } from "node:url";
-import { deltaAad, open, seal, updateAad, type SiteKeys } from "./sealing.ts";
+import { deltaAad, joinProof, open, seal, updateAad, type SiteKeys } from "./sealing.ts";
 
 const PROTO = fileURLToPath(new URL("../../../protos/geodiloco/v1/outer_sync.proto", import.meta.url));
 const MAX_MESSAGE_BYTES = 32 * 1024 * 1024;
@@ -130,8 +130,11 @@ export class OuterSyncClient {
     });
   }
 
-  async join(worldSize = 1): Promise<JoinResponse> {
-    const reply = await this.unary<JoinResponse>("Join", { run_id: this.runId, site: this.site, world_size: worldSize, version: "ts-0.1.0" });
+  /** Join; with the site secret, the request carries its key proof (protocol.md §6.2). */
+  async join(worldSize = 1, secret: Uint8Array | null = null): Promise<JoinResponse> {
+    const keyProof = secret ? joinProof(secret, this.runId, this.site, worldSize) : Buffer.alloc(0);
+    const request = { run_id: this.runId, site: this.site, world_size: worldSize, version: "ts-0.1.0", key_proof: keyProof };
+    const reply = await this.unary<JoinResponse>("Join", request);
     this.runId = reply.run_id;
     return reply;
   }

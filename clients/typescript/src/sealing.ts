@@ -1,5 +1,5 @@
 // Payload sealing of docs/protocol.md §6: HKDF-SHA256 keys, AES-256-GCM, the AAD bytes.
-import { createCipheriv, createDecipheriv, hkdfSync, randomBytes } from "node:crypto";
+import { createCipheriv, createDecipheriv, createHmac, hkdfSync, randomBytes } from "node:crypto";
 
 const SALT = Buffer.from("geodiloco/v1", "ascii");
 const AAD_MAGIC = Buffer.from("geodiloco-chunk-v2\0", "ascii");
@@ -93,6 +93,16 @@ class Writer {
   done(): Buffer {
     return Buffer.concat(this.parts);
   }
+}
+
+/** The proof of §6.2 that this site holds its secret: HMAC-SHA256 over the Join's fields. */
+export function joinProof(siteSecret: Uint8Array, runId: string, site: string, worldSize: number): Buffer {
+  const w = new Writer();
+  w.bytes(Buffer.from("geodiloco-join-v1\0", "ascii"));
+  w.str(runId);
+  w.str(site);
+  w.u32(worldSize);
+  return createHmac("sha256", hkdf(siteSecret, "join-proof")).update(w.done()).digest();
 }
 
 function aad(direction: string, kind: string, h: HeaderFields, extra: Buffer): Buffer {

@@ -58,7 +58,7 @@ class Site {
     let delay = 200;
     for (let attempt = 1; ; attempt++) {
       try {
-        const info = await this.client.join();
+        const info = await this.client.join(1, this.secret);
         this.adopt(info);
         return info;
       } catch (err) {
@@ -103,7 +103,7 @@ class Site {
   startHeartbeat(intervalS: number): void {
     this.heartbeat = setInterval(() => {
       this.client.heartbeat(this.round).catch(async (err: unknown) => {
-        if (err instanceof RpcError && err.code === "FAILED_PRECONDITION") await this.client.join().catch(() => undefined);
+        if (err instanceof RpcError && err.code === "FAILED_PRECONDITION") await this.client.join(1, this.secret).catch(() => undefined);
       });
     }, intervalS * 1000);
   }
@@ -166,7 +166,7 @@ class Site {
     for (let attempt = 0; attempt < MAX_EXCHANGES; attempt++) {
       try {
         if (resync) {
-          this.adopt(await this.client.join());
+          this.adopt(await this.client.join(1, this.secret));
           return await this.fullState();
         }
         const ack = await this.client.push(r, this.uplink.spec, frames, tokens, this.data, this.pullTimeoutMs);
@@ -204,7 +204,7 @@ class Site {
         const closed = pulled.nextRound - 1;
         const reply = closed >= 0 ? await this.client.report(closed, digest, windows.length, loss, seconds) : null;
         say({ event: "round", round: closed, kind: pulled.kind, hash: digest, hash_ok: reply?.hash_ok ?? null, train_loss: loss });
-        if (!this.finished && this.data.length === 0) this.adopt(await this.client.join()); // lease lapsed: no data
+        if (!this.finished && this.data.length === 0) this.adopt(await this.client.join(1, this.secret)); // lease lapsed: no data
       }
       await this.client.leave("finished");
       say({ event: "left", round: this.round });

@@ -4,7 +4,7 @@ import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { fileURLToPath } from "node:url";
 import { CodecError, decodeFrame, encodeFrame, parseCodec, splitNibbles, joinNibbles } from "../src/codec.ts";
-import { deltaAad, deriveKeys, hkdf, keyId, open, seal, updateAad } from "../src/sealing.ts";
+import { deltaAad, deriveKeys, hkdf, joinProof, keyId, open, seal, updateAad } from "../src/sealing.ts";
 import { stateHash } from "../src/hash.ts";
 
 const VECTORS = fileURLToPath(new URL("../../../tests/protocol/vectors/", import.meta.url));
@@ -70,6 +70,12 @@ test("key derivation: site secret, key ids, chunk keys", () => {
   assert.equal(keys.up.toString("hex"), sealing.key_up);
   assert.equal(keys.down.toString("hex"), sealing.key_down);
   for (const k of sealing.key_ids) assert.equal(keyId(hex(k.site_secret), k.run_id), k.key_id);
+});
+
+test("join proofs (§6.2)", () => {
+  for (const c of sealing.join_proofs) {
+    assert.equal(joinProof(hex(sealing.site_secret), c.run_id, sealing.site, c.world_size).toString("hex"), c.proof);
+  }
 });
 
 for (const c of sealing.cases) {

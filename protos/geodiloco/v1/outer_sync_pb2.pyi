@@ -130,6 +130,7 @@ class JoinRequest(_message.Message):
     STATE_HASH_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    KEY_PROOF_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """empty: join whatever run the coordinator serves"""
     site: _builtins.str
@@ -139,6 +140,8 @@ class JoinRequest(_message.Message):
     """ranks inside the site"""
     version: _builtins.str
     """geodiloco version of the site"""
+    key_proof: _builtins.bytes
+    """HMAC proving the site holds its secret (protocol.md §6.2); empty: none"""
     def __init__(
         self,
         *,
@@ -147,10 +150,11 @@ class JoinRequest(_message.Message):
         state_hash: _builtins.str = ...,
         world_size: _builtins.int = ...,
         version: _builtins.str = ...,
+        key_proof: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "site", b"site", "state_hash", b"state_hash", "version", b"version", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_proof", b"key_proof", "run_id", b"run_id", "site", b"site", "state_hash", b"state_hash", "version", b"version", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

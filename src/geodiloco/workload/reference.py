@@ -1,7 +1,8 @@
 """The reference workload behind the config's default builders (``workload.*``).
 
-Its model is the byte-level GPT, its optimizer AdamW with the ``inner`` settings, and its data
-the byte corpus, whose ledger items are windows of ``model.seq_len + 1`` bytes.
+Its model is the byte-level GPT (with mixture-of-experts MLPs when ``model.experts`` > 0), its
+optimizer AdamW with the ``inner`` settings, and its data the byte corpus, whose ledger items are
+windows of ``model.seq_len + 1`` bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from geodiloco.workload.data import (
     require_text,
 )
 from geodiloco.workload.model import build_model as build_gpt
+from geodiloco.workload.moe import build_moe, hold_unreached
 from geodiloco.workload.steps import make_inner_optimizer
 
 if TYPE_CHECKING:
@@ -66,11 +68,18 @@ class ReferenceData:
 
 
 def build_model(cfg: RunConfig) -> nn.Module:
+    """The byte-level GPT; with ``model.experts`` > 0, its mixture-of-experts variant."""
+    if cfg.model.experts:
+        return build_moe(cfg.model, cfg.seed)
     return build_gpt(cfg.model, cfg.seed)
 
 
 def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
-    return make_inner_optimizer(model, cfg.inner)
+    """AdamW; experts that no token reached in a step keep their values (see
+    :func:`geodiloco.workload.moe.hold_unreached`)."""
+    optimizer = make_inner_optimizer(model, cfg.inner)
+    hold_unreached(model, optimizer)
+    return optimizer
 
 
 def build_data(cfg: RunConfig) -> ReferenceData:

@@ -4,16 +4,35 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from geodiloco.workload.loss import LossFn, model_loss
+from geodiloco.workload.loss import Batch, LossFn, model_loss
 
 if TYPE_CHECKING:
     from geodiloco.config import InnerConfig
+
+
+@runtime_checkable
+class Staged(Protocol):
+    """A model that runs its own forward and backward over several ranks (a pipeline stage,
+    :class:`geodiloco.site.pipeline.Pipelined`): the loss is found on one rank and shared, and
+    the gradient norm spans the ranks."""
+
+    def train_step(self, batch: Batch, loss_fn: LossFn) -> torch.Tensor:
+        """Forward and backward of ``batch``; its mean loss, on every rank."""
+        ...
+
+    def evaluate(self, batch: Batch, loss_fn: LossFn) -> tuple[float, int]:
+        """Summed loss and rows of ``batch``, counted on one rank of those that share it."""
+        ...
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the gradients of all the ranks to ``max_norm`` together; the norm before."""
+        ...
 
 
 def make_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:
@@ -60,13 +79,21 @@ def inner_step(
 ) -> float:
     """One step on ``batch``, whose mean loss is ``loss_fn(model, batch)``; returns the loss.
 
-    Gradients are clipped to ``cfg.grad_clip`` (0: not clipped) whatever the optimizer."""
+    Gradients are clipped to ``cfg.grad_clip`` (0: not clipped) whatever the optimizer. A
+    :class:`Staged` model (a pipeline) runs its forward and backward itself."""
     set_lr(optimizer, cfg, step)
-    loss = loss_fn(model, batch)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    if isinstance(model, Staged):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model.train_step(batch, loss_fn)
+    else:
+        loss = loss_fn(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
     if cfg.grad_clip:
-        clip_grad_norm(model.parameters(), cfg.grad_clip)
+        if isinstance(model, Staged):
+            model.clip_grad_norm(cfg.grad_clip)
+        else:
+            clip_grad_norm(model.parameters(), cfg.grad_clip)
     optimizer.step()
     return float(loss.detach())
 
@@ -80,16 +107,30 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> float
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return 0.0
+    total = float(squared_grad_norm(grads, grads[0].device).sqrt())
+    scale_grads(grads, total, max_norm)
+    return total
+
+
+@torch.no_grad()
+def squared_grad_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The squared norm of ``grads`` together (sharded ones over their mesh), fp32 on ``device``."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
     squares = []
     for g in grads:
         norm = torch.linalg.vector_norm(g, dtype=torch.float32)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    total = float(torch.stack(squares).sum().sqrt())
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).to(device) ** 2)
+    return torch.stack(squares).sum()
+
+
+@torch.no_grad()
+def scale_grads(grads: list[torch.Tensor], total: float, max_norm: float) -> None:
+    """Scale ``grads``, of norm ``total`` together, to a norm of at most ``max_norm``."""
     scale = max_norm / (total + 1e-6)
     if scale < 1.0:
         for g in grads:
             g.mul_(scale)
-    return total
 
 
 def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 32) -> tuple[float, int]:
@@ -105,12 +146,16 @@ def evaluate_batches(
     """Summed mean loss ``loss_fn(model, batch)`` weighted by each batch's rows, and the rows.
 
     The model is in eval mode meanwhile (no dropout, batch norm's running statistics), then
-    back in the mode it was in."""
+    back in the mode it was in. A :class:`Staged` model counts each batch on one of its ranks."""
     total, count = 0.0, 0
     was_training = model.training
     model.eval()
     try:
         for batch in batches:
+            if isinstance(model, Staged):
+                part, rows = model.evaluate(batch, loss_fn)
+                total, count = total + part, count + rows
+                continue
             rows = batch[0].shape[0]
             total += float(loss_fn(model, batch)) * rows
             count += rows

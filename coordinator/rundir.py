@@ -1,0 +1,76 @@
+"""A coordinator's run directory: the names of its files and the lock that makes it one writer's.
+
+Two coordinators on one run directory would both commit into one round log (a split run: the
+same rounds twice, a broken hash chain, data consumed twice). So a coordinator takes an
+exclusive ``flock`` on ``RUN_DIR/coordinator.lock`` before it reads or writes anything there,
+and holds it for its lifetime. The kernel drops the lock when the process ends, however it
+ends, so a lock file left by a dead coordinator never blocks the next one; the pid and host
+written into it only name the holder in the refusal.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from geodiloco.coordinator.errors import StateError
+
+STATE_FILE = "coordinator.state"  # the last snapshot (durable.save_state)
+ROUND_LOG = "rounds.jsonl"  # one line per committed round, hash-chained
+REPORT_LOG = "reports.jsonl"  # the sites' hash reports and eval losses
+EVENTS_FILE = "events.jsonl"  # what each site did in each round (telemetry)
+LOCK_FILE = "coordinator.lock"
+
+
+class RunDirInUse(StateError):
+    """Another live coordinator holds the run directory."""
+
+
+@dataclass(slots=True)
+class RunDirLock:
+    """An exclusive lock on a run directory, held while the file descriptor is open."""
+
+    path: Path
+    fd: int
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = -1
+
+
+def lock_run_dir(run_dir: Path) -> RunDirLock:
+    """Take ``run_dir``'s lock (creating the directory), or refuse naming the holder."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise RunDirInUse(
+            f"run directory {run_dir} is in use by another coordinator ({holder}; lock {path}): "
+            "stop that one first, or give this one another --run-dir"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, record.encode() + b"\n", 0)
+    return RunDirLock(path, fd)
+
+
+def _holder(fd: int) -> str:
+    """The holder as its lock file names it ("pid N on host H")."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {int(info['pid'])} on host {info['host']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "pid and host unknown: the holder has not written them yet"

@@ -1,0 +1,141 @@
+"""The seam between the site's outer loop and whatever carries it to the coordinator.
+
+:class:`~geodiloco.site.outer_sync.OuterSync` talks only to a :class:`Link`: join, push, pull,
+report, leave. The gRPC client is one implementation (:mod:`.grpc_link`); an in-process one
+over a round controller (:mod:`.local_link`) runs the whole algorithm, both sides, in a unit
+test. Refusals arrive as the domain errors below, never as transport errors, so the loop's
+recovery (push again, rejoin and catch up) reads the same whatever the transport.
+
+Every call names a fragment: the canonical parameter vector is split into ``outer.fragments``
+fragments (:mod:`.fragments`), each with its own rounds, outer optimizer and hashes on the
+coordinator's side. A run of one fragment is the classic DiLoCo of the paper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from geodiloco.compression import EncodedChunk
+from geodiloco.site.client import JoinInfo, PulledPart, WireChunk
+from geodiloco.workload.data import DataRange
+
+__all__ = [
+    "FragmentState",
+    "JoinInfo",
+    "Joined",
+    "Late",
+    "Link",
+    "LinkError",
+    "PulledPart",
+    "PushAgain",
+    "Resync",
+    "WireChunk",
+]
+
+
+class LinkError(Exception):
+    """The coordinator refused a call, or could not be reached after the link's own retries."""
+
+
+class PushAgain(LinkError):
+    """The coordinator lost this site's uncommitted contribution (it restarted): push it again."""
+
+
+class Resync(LinkError):
+    """The round closed without this site, or its membership lapsed: rejoin and catch up."""
+
+
+class Late(Resync):
+    """A push for a fragment round that already closed without it: dropped and counted."""
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentState:
+    """Where one fragment of the global state stands on the coordinator."""
+
+    round: int  # the fragment's open round
+    state_hash: str  # of the fragment's global values at that round
+    finished: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """What Join tells a site: the run, and the state of each of its fragments."""
+
+    info: JoinInfo
+    fragments: tuple[FragmentState, ...]
+
+
+class Link(Protocol):
+    """One site rank's connection to the run's coordinator, whatever carries it."""
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this link sent (wire bytes for gRPC)."""
+        ...
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes this link received."""
+        ...
+
+    def join(self, world_size: int) -> Joined:
+        """Join (or rejoin) the run with ``world_size`` data-parallel replicas."""
+        ...
+
+    def adopt(self, run_id: str, key_id: int) -> None:
+        """Act in a run another rank of this site joined."""
+        ...
+
+    def keep_alive(self, interval_s: float, world_size: int) -> None:
+        """Keep the site's lease alive in the background until :meth:`close` (rank 0)."""
+        ...
+
+    def push(
+        self,
+        fragment: int,
+        round_: int,
+        codec: str,
+        chunks: Sequence[WireChunk | EncodedChunk],
+        tokens: int,
+        data: list[DataRange] | None,
+        *,
+        part: int,
+        parts: int,
+        timeout_s: float,
+    ) -> None:
+        """Send one part of a fragment round's pseudo-gradient (idempotent). ``data`` is what the
+        site trained on; None for a fragment that does not settle the data ledger."""
+        ...
+
+    def pull(
+        self, fragment: int, round_: int, *, full_state: bool, part: int, parts: int, timeout_s: float
+    ) -> PulledPart:
+        """This puller's share of the update closing the fragment's ``round_`` (waits for its
+        commit), or of the fragment's current full state."""
+        ...
+
+    def report(
+        self,
+        fragment: int,
+        round_: int,
+        state_hash: str,
+        eval_loss_sum: float,
+        eval_count: int,
+        train_loss: float,
+        tokens: int,
+        compute_seconds: float,
+    ) -> bool:
+        """The site's hash of the fragment after ``round_`` closed (and its metrics); True when
+        the coordinator's hash agrees."""
+        ...
+
+    def leave(self, reason: str) -> None:
+        """Leave the run; its lease ends now."""
+        ...
+
+    def close(self) -> None:
+        """Stop the heartbeat and release the connection."""
+        ...

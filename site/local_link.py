@@ -1,0 +1,294 @@
+"""The :class:`~geodiloco.site.link.Link` in one process: sites call the round controllers of a
+:class:`LocalCoordinator` directly, no server, no wire.
+
+The controllers run on an event loop in a thread of their own, as in the gRPC coordinator, and
+the links call into it from the sites' threads; what crosses is what the wire would carry (the
+encoded chunks, the committed updates, the facts of a pull), so the site's whole outer loop,
+overlap and recovery included, runs in a unit test on plain tensors in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from geodiloco.compression import EncodedChunk, Place, parse_pipeline
+from geodiloco.config import RunConfig
+from geodiloco.coordinator.errors import (
+    ContributionMissing,
+    CoordinatorError,
+    FailedPrecondition,
+    LateContribution,
+)
+from geodiloco.coordinator.fragments import FragmentedController
+from geodiloco.coordinator.rounds import RoundController
+from geodiloco.site.client import JoinInfo, PulledPart, WireChunk, wire_chunk
+from geodiloco.site.fragments import FragmentPlan
+from geodiloco.site.link import FragmentState, Joined, Late, LinkError, PushAgain, Resync
+from geodiloco.workload.data import DataRange
+
+T = TypeVar("T")
+CALL_TIMEOUT_S = 600.0
+
+
+def translate(exc: CoordinatorError) -> LinkError:
+    """The domain error a refusal means to the site's loop (as the gRPC link maps its statuses)."""
+    if isinstance(exc, ContributionMissing):
+        return PushAgain(str(exc))
+    if isinstance(exc, LateContribution):
+        return Late(str(exc))
+    if isinstance(exc, FailedPrecondition):
+        return Resync(str(exc))
+    return LinkError(f"{exc.status} {exc}")
+
+
+class LocalCoordinator:
+    """A run's fragment controllers on an event loop thread, ticking (leases, deadlines)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        initial: torch.Tensor,
+        shard_sizes: list[int],
+        plan: FragmentPlan,
+        tick_s: float = 0.02,
+    ) -> None:
+        self.cfg = cfg
+        self.controller = FragmentedController(cfg, initial, shard_sizes, plan)
+        self.loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()
+        self._tick_s = tick_s
+        self._thread = threading.Thread(target=self._main, name="local-coordinator", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def run() -> None:
+            while not self._stop.is_set():
+                await self.controller.tick()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self._tick_s)
+
+        self.loop.run_until_complete(run())
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = CALL_TIMEOUT_S) -> T:
+        """Run ``coro`` on the coordinator's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def fragment(self, p: int) -> RoundController:
+        return self.controller.fragments[p]
+
+    def link(self, site: str) -> LocalLink:
+        return LocalLink(self, site)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(10)
+
+    def __enter__(self) -> LocalCoordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LocalLink:
+    """One site's link to a :class:`LocalCoordinator`; counts the payload bytes it moves."""
+
+    def __init__(self, coordinator: LocalCoordinator, site: str) -> None:
+        self.coordinator = coordinator
+        self.c = coordinator.controller
+        self.site = site
+        self.run_id = ""
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        # parts of a push received so far, by (fragment, round): the staged vector and the parts
+        self._staged: dict[tuple[int, int], tuple[torch.Tensor, set[int]]] = {}
+        self._lock = threading.Lock()
+        self._beat: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float = CALL_TIMEOUT_S) -> T:
+        async def guarded() -> T:
+            try:
+                return await asyncio.wait_for(coro, timeout_s)
+            except asyncio.TimeoutError:
+                raise LinkError(f"DEADLINE_EXCEEDED no answer within {timeout_s:.0f}s") from None
+            except CoordinatorError as exc:
+                raise translate(exc) from exc
+
+        return self.coordinator.call(guarded(), timeout_s + 5)
+
+    def join(self, world_size: int) -> Joined:
+        async def join() -> Joined:
+            record = await self.c.join(self.site, "", world_size)
+            ledger = self.c.ledger
+            info = JoinInfo(
+                self.c.cfg.run_id,
+                self.c.cfg.to_json(),
+                ledger.round,
+                ledger.hashes[ledger.round],
+                record.shard_index,
+                len(ledger.sites),
+                self.c.num_params,
+                self.c.cfg.heartbeat_interval_s,
+                self.c.finished,
+                self.c.data_for(self.site),
+            )
+            states = tuple(FragmentState(c.round, c.hashes[c.round], c.finished) for c in self.c.fragments)
+            return Joined(info, states)
+
+        joined = self._run(join())
+        self.run_id = joined.info.run_id
+        with self._lock:
+            self._staged.clear()  # a rejoined site pushes its rounds afresh
+        return joined
+
+    def adopt(self, run_id: str, key_id: int) -> None:
+        self.run_id = run_id
+
+    def keep_alive(self, interval_s: float, world_size: int) -> None:
+        def beat() -> None:
+            while not self._closing.wait(interval_s):
+                try:
+                    self._run(self._heartbeat())
+                except Resync:
+                    self.join(world_size)  # the lease lapsed: be counted as live again
+                except LinkError:
+                    pass
+
+        self._beat = threading.Thread(target=beat, name=f"heartbeat-{self.site}", daemon=True)
+        self._beat.start()
+
+    async def _heartbeat(self) -> None:
+        self.c.heartbeat(self.site, self.run_id)
+
+    def push(
+        self,
+        fragment: int,
+        round_: int,
+        codec: str,
+        chunks: Sequence[WireChunk | EncodedChunk],
+        tokens: int,
+        data: list[DataRange] | None,
+        *,
+        part: int,
+        parts: int,
+        timeout_s: float,
+    ) -> None:
+        c = self.c.fragments[fragment]
+        if self._run(self._check(c, round_), timeout_s):
+            return  # an idempotent repeat of an accepted push
+        pipeline = parse_pipeline(codec)
+        key = (fragment, round_)
+        with self._lock:
+            staged, received = self._staged.setdefault(
+                key, (torch.zeros(self.c.plan.numel(fragment), dtype=torch.float32), set())
+            )
+        for item in chunks:  # decoded on the pushing thread, as the gRPC intake does off its loop
+            chunk = wire_chunk(item)
+            segment = chunk.segment
+            values = pipeline.decode(chunk.payload, segment.numel, Place(round_, segment))
+            segment.view_of(staged).copy_(values.view(segment.rows, segment.row_len))
+            self.bytes_sent += len(chunk.payload)
+        with self._lock:
+            received.add(part)
+            if len(received) < parts:
+                return
+            del self._staged[key]
+        self._run(self._contribute(c, round_, tokens, staged, data), timeout_s)
+
+    async def _check(self, c: RoundController, round_: int) -> bool:
+        """True for a duplicate; a late push is counted as the gRPC service counts it."""
+        try:
+            return c.check_push(self.site, self.run_id, round_)
+        except LateContribution as exc:
+            c.record_rejection(self.site, exc)
+            raise
+
+    async def _contribute(
+        self,
+        c: RoundController,
+        round_: int,
+        tokens: int,
+        delta: torch.Tensor,
+        data: list[DataRange] | None,
+    ) -> None:
+        try:
+            await c.contribute(self.site, self.run_id, round_, tokens, delta, data)
+        except LateContribution as exc:
+            c.record_rejection(self.site, exc)
+            raise
+
+    def pull(
+        self, fragment: int, round_: int, *, full_state: bool, part: int, parts: int, timeout_s: float
+    ) -> PulledPart:
+        c = self.c.fragments[fragment]
+
+        async def pull() -> PulledPart:
+            c.member(self.site, self.run_id)
+            update = None if full_state else await c.wait_for_update(round_, self.site)
+            if update is not None:
+                chunks, codec, digest, at, next_round = (
+                    update.chunks,
+                    update.codec,
+                    update.state_hash,
+                    update.round,
+                    update.round + 1,
+                )
+            else:
+                state = await c.serve_full_state()
+                chunks, codec, digest, at, next_round = (
+                    state.chunks,
+                    state.codec,
+                    state.state_hash,
+                    state.round,
+                    state.round,
+                )
+            return PulledPart(
+                is_full_state=update is None,
+                codec=codec,
+                total_chunks=len(chunks),
+                chunks={s: ch for s, ch in enumerate(chunks) if s % max(parts, 1) == part},
+                round=at,
+                next_round=next_round,
+                state_hash=digest,
+                finished=next_round >= self.c.cfg.rounds,
+                data=self.c.data_for(self.site),
+            )
+
+        pulled = self._run(pull(), timeout_s)
+        self.bytes_received += sum(len(ch.payload) for ch in pulled.chunks.values())
+        return pulled
+
+    def report(
+        self,
+        fragment: int,
+        round_: int,
+        state_hash: str,
+        eval_loss_sum: float,
+        eval_count: int,
+        train_loss: float,
+        tokens: int,
+        compute_seconds: float,
+    ) -> bool:
+        c = self.c.fragments[fragment]
+        ok, _ = self._run(
+            c.report(self.site, self.run_id, round_, state_hash, eval_loss_sum, eval_count, train_loss)
+        )
+        return ok
+
+    def leave(self, reason: str) -> None:
+        self._run(self.c.leave(self.site, self.run_id, reason))
+
+    def close(self) -> None:
+        self._closing.set()
+        if self._beat is not None:
+            self._beat.join(5)

@@ -1,0 +1,45 @@
+"""A long transfer is a heartbeat (issue 16 item 4): a site whose pull outlasts its lease (a slow
+link, with its heartbeats queued behind the bulk stream) is not expired while the stream flows."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+
+from geodiloco.site.client import OuterSyncClient
+from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
+from helpers import CoordinatorThread, tiny_config
+
+pytestmark = pytest.mark.integration
+
+LEASE_S = 1.5
+N = 4_000_000  # 16 MB of full state: far more than the connection's flow-control window
+
+
+def test_a_pull_that_outlasts_the_lease_keeps_the_site_alive() -> None:
+    cfg = tiny_config(lease_s=LEASE_S, heartbeat_interval_s=0.5, compression__chunk_elements=1 << 16)
+    with CoordinatorThread(cfg, initial=torch.randn(N, generator=torch.Generator().manual_seed(0))) as c:
+        site = OuterSyncClient(c.target, "site-a")
+        site.join()
+        request = outer_sync_pb2.PullRequest(
+            run_id=site.run_id, site="site-a", kind=outer_sync_pb2.PullRequest.FULL_STATE
+        )
+        # a window that never grows (no BDP probing): the server sends only as fast as this reads
+        with grpc.insecure_channel(c.target, options=[("grpc.http2.bdp_probe", 0)]) as slow:
+            stub = outer_sync_pb2_grpc.OuterSyncStub(slow)
+            chunks = list(stub.PullUpdate(request, timeout=60))  # encoded once, then cached
+            site.heartbeat(0)
+            started, states = time.monotonic(), set()
+            for i, _ in enumerate(stub.PullUpdate(request, timeout=60)):
+                time.sleep(0.1)  # a slow reader: 6 s for the state, four leases
+                if i % 8 == 0:
+                    states.add(c.controller.sites["site-a"].state)
+            took = time.monotonic() - started
+        assert took > 3 * LEASE_S and len(chunks) > 40
+        assert states == {"joined"}, states
+        assert c.controller.sites["site-a"].state == "joined"
+        time.sleep(LEASE_S + 1.0)  # once the stream has ended, the lease runs out as before
+        assert c.controller.sites["site-a"].state == "lost"

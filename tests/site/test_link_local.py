@@ -1,0 +1,191 @@
+"""The site's whole outer loop against in-process round controllers (no gRPC server): sites
+train a small model of plain tensors in threads, and every fragment round, hash, late push,
+catch-up and resync is checked against the controllers' own state."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from geodiloco.config import RunConfig
+from geodiloco.params import canonical_parameters, flatten_parameters, state_hash
+from geodiloco.site.fragments import FragmentPlan
+from geodiloco.site.local_link import LocalCoordinator
+from geodiloco.site.outer_sync import CATCH_UP_ROUNDS, OuterSync
+from helpers import tiny_config
+
+TOKENS = 100
+
+
+class Blocks(nn.Module):
+    """Four numbered blocks and a head: enough to split into fragments. Every instance holds the
+    same values (sites start from the coordinator's θ_0, as real sites do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 2)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+
+
+def config(fragments: int = 1, overlap: int = 0, **overrides: object) -> RunConfig:
+    settings: dict[str, object] = {
+        "rounds": 3,
+        "inner__steps_per_round": 4,
+        "outer__fragments": fragments,
+        "outer__overlap_steps": overlap,
+        "outer__mix_alpha": 0.5,
+        "lease_s": 30.0,
+        **overrides,
+    }
+    return tiny_config(**settings)
+
+
+def coordinator_for(cfg: RunConfig) -> LocalCoordinator:
+    model = Blocks()
+    plan = FragmentPlan.of_model(model, cfg.outer.fragments)
+    return LocalCoordinator(cfg, flatten_parameters(model), [10_000] * cfg.data.shards, plan)
+
+
+@torch.no_grad()
+def inner_step(model: nn.Module, gen: torch.Generator) -> None:
+    """A stand-in for an optimizer step: a small seeded move of every parameter."""
+    for _, p in canonical_parameters(model):
+        p.add_(torch.randn(p.shape, generator=gen) * 1e-2)
+
+
+Hook = Callable[[OuterSync, int], None]  # called before each inner step: (sync, global step)
+
+
+def train(coordinator: LocalCoordinator, name: str, out: dict[str, object], hook: Hook | None = None) -> None:
+    sync = OuterSync.over(coordinator.link(name))
+    model = sync.attach(Blocks())
+    reloaded = sync.bytes_received  # nothing pulled at attach: the site starts from θ_0
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    step, merges = 0, []
+    try:
+        while not sync.finished:
+            if hook is not None:
+                hook(sync, step)
+            inner_step(model, gen)
+            before = flatten_parameters(model)
+            if sync.step(tokens=TOKENS):
+                sync.report(1.0, 1, 0.5, 0.01)
+            merges.append((before, flatten_parameters(model), _snapshot(sync)))
+            step += 1
+    finally:
+        sync.close()
+    out[name] = {"sync": sync, "model": model, "merges": merges, "reloaded": reloaded}
+
+
+def _snapshot(sync: OuterSync) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in sync.snapshot])
+
+
+def run_sites(coordinator: LocalCoordinator, hooks: dict[str, Hook] | None = None) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    threads = [
+        threading.Thread(target=train, args=(coordinator, n, out, (hooks or {}).get(n)))
+        for n in coordinator.cfg.sites
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(out) == set(coordinator.cfg.sites), "a site did not finish"
+    return out
+
+
+def test_blocking_rounds_keep_every_replica_bit_identical() -> None:
+    cfg = config()
+    with coordinator_for(cfg) as coordinator:
+        out = run_sites(coordinator)
+        c = coordinator.fragment(0)
+        assert c.round == cfg.rounds and len(c.history) == cfg.rounds
+        assert all(h.contributors == ["site-a", "site-b"] and h.tokens == 2 * 4 * TOKENS for h in c.history)
+        assert all(h.hashes_agree and len(h.hash_reports) == 2 for h in c.history)
+        for site in out.values():
+            assert site["reloaded"] == 0
+            # blocking: the parameters are the global ones after every round
+            assert state_hash(flatten_parameters(site["model"])) == c.hashes[cfg.rounds]
+            assert site["sync"].last_result.state_hash == c.hashes[cfg.rounds]
+
+
+@pytest.mark.parametrize(("fragments", "overlap"), [(2, 0), (2, 1), (1, 2), (4, 0)])
+def test_streaming_fragments_commit_and_agree(fragments: int, overlap: int) -> None:
+    cfg = config(fragments, overlap)
+    with coordinator_for(cfg) as coordinator:
+        out = run_sites(coordinator)
+        assert coordinator.controller.finished
+        for c in coordinator.controller.fragments:
+            assert len(c.history) == cfg.rounds
+            assert all(h.contributors == ["site-a", "site-b"] and h.hashes_agree for h in c.history)
+            assert all(len(h.hash_reports) == 2 for h in c.history)
+        theta = coordinator.controller.theta()
+        for site in out.values():
+            assert torch.equal(_snapshot(site["sync"]), theta)  # one rank: pieces in canonical order
+            assert site["sync"].bytes_sent > 0 and site["sync"].bytes_received > 0
+
+
+def test_overlap_mixes_the_global_fragment_tau_steps_after_its_push() -> None:
+    cfg = config(fragments=2, overlap=1, rounds=2)
+    with coordinator_for(cfg) as coordinator:
+        out = run_sites(coordinator)
+    sync, merges = out["site-a"]["sync"], out["site-a"]["merges"]
+    plan = FragmentPlan.of_model(Blocks(), 2)
+    alpha = cfg.outer.mix_alpha
+    for step, (before, after, snapshot) in enumerate(merges):
+        at = step % cfg.inner.steps_per_round + 1
+        merged = [p for p in range(2) if sync.schedule.merge_step(p) == at]
+        for p in range(2):
+            b, a, g = (plan.gather(p, t) for t in (before, after, snapshot))
+            if p in merged:  # local <- α·local + (1-α)·global, exactly
+                assert torch.equal(a, torch.lerp(b, g, 1 - alpha))
+            else:
+                assert torch.equal(a, b)
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("behind", [1, CATCH_UP_ROUNDS + 1])
+@pytest.mark.parametrize(("fragments", "overlap"), [(1, 0), (2, 1)])
+def test_late_fragment_is_dropped_counted_and_caught_up(
+    fragments: int, overlap: int, behind: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """site-b stalls before its push of fragment 0 in round 1 until that fragment's controller
+    has committed ``behind`` rounds without it: its push is late (dropped, counted), and it
+    rejoins and catches up (kept updates, or the full state when too far behind)."""
+    caplog.set_level("INFO", logger="geodiloco.site")
+    cfg = config(fragments, overlap, rounds=5, min_sites=1, round_timeout_s=0.2)
+    with coordinator_for(cfg) as coordinator:
+        c0 = coordinator.fragment(0)
+        push_at = cfg.inner.steps_per_round + (cfg.inner.steps_per_round // fragments - overlap) - 1
+        stalled = []
+
+        def stall(sync: OuterSync, step: int) -> None:
+            if step == push_at:
+                stalled.append(sync.bytes_received)
+                wait_until(lambda: c0.round >= 1 + behind, "fragment 0 did not close without site-b")
+
+        out = run_sites(coordinator, {"site-b": stall})
+        assert stalled and c0.sites["site-b"].late == 1
+        caught_up = f"{'fragment 0 ' if fragments > 1 else ''}round 1: caught up" in caplog.text
+        assert caught_up == (behind <= CATCH_UP_ROUNDS)  # else the fragment's full state
+        assert c0.history[1].contributors == ["site-a"]
+        theta = coordinator.controller.theta()
+        assert torch.equal(_snapshot(out["site-b"]["sync"]), theta)
+        assert torch.equal(_snapshot(out["site-a"]["sync"]), theta)
+        assert all(h.hashes_agree for c in coordinator.controller.fragments for h in c.history)
