@@ -126,13 +126,16 @@ def round_train_loss(losses: list[float], trained_round: int, closed_round: int)
     return sum(losses) / len(losses)
 
 
-def exit_refused(rank: int, exc: Exception) -> NoReturn:
+def exit_refused(rank: int, refusal: BaseException) -> NoReturn:
     """The coordinator refused the site at Join: say why in one line (rank 0), not in every
     rank's traceback and torchrun's failure box. Under `geodiloco site run` every rank leaves
     with status 0 and the launcher, finding the refusal written down, exits EXIT_REFUSED."""
     refusal_file = os.environ.get(REFUSAL_FILE_ENV)
     if rank == 0:
-        why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+        if isinstance(refusal, grpc.RpcError):
+            why = f"{refusal.code().name}: {refusal.details()}"
+        else:
+            why = str(refusal)
         line = f"join refused: {why}"
         print(f"geodiloco site: {line}", file=sys.stderr, flush=True)
         if refusal_file:
@@ -141,13 +144,18 @@ def exit_refused(rank: int, exc: Exception) -> NoReturn:
     os._exit(0 if refusal_file else EXIT_REFUSED)  # no process group teardown: a peer has gone
 
 
-def refused_at_join(rank: int, exc: Exception) -> bool:
-    """Whether a failure while joining is the coordinator's refusal (rank 0 knows it; the other
-    ranks, whose broadcast broke when rank 0 left, find it written down by rank 0)."""
-    if rank == 0:
-        return isinstance(exc, KeyMismatch) or (isinstance(exc, grpc.RpcError) and not transient(exc))
-    refusal_file = os.environ.get(REFUSAL_FILE_ENV)
-    return refusal_file is not None and Path(refusal_file).exists()
+def join_refusal(rank: int, exc: BaseException) -> BaseException | None:
+    """The coordinator's refusal behind a failure to join, or None (a lost coordinator, a bug).
+
+    Rank 0 finds it in the error (the link raises its domain error from the gRPC status); the
+    other ranks, whose broadcast broke when rank 0 left, find it written down by rank 0."""
+    if rank != 0:
+        refusal_file = os.environ.get(REFUSAL_FILE_ENV)
+        return exc if refusal_file is not None and Path(refusal_file).exists() else None
+    for cause in (exc, exc.__cause__):
+        if isinstance(cause, KeyMismatch) or (isinstance(cause, grpc.RpcError) and not transient(cause)):
+            return cause
+    return None
 
 
 def train(
@@ -166,8 +174,9 @@ def train(
             coordinator, site, tls=tls, site_secret=site_secret, data_parallel_size=layout.data_parallel
         )
     except Exception as exc:
-        if refused_at_join(rank, exc):
-            exit_refused(rank, exc)
+        refusal = join_refusal(rank, exc)
+        if refusal is not None:
+            exit_refused(rank, refusal)
         raise
     cfg = sync.config
     if isinstance(sync.link, GrpcLink):  # every rank retries a lost coordinator alike

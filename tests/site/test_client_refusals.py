@@ -34,9 +34,7 @@ def test_a_site_refused_at_join_says_why_in_one_line(tmp_path: Path) -> None:
                 kill_tree(site)
     output = (tmp_path / "site.log").read_text()
     refusals = [line for line in output.splitlines() if "join refused" in line]
-    assert refusals == [
-        "geodiloco site: join refused: the coordinator does not seal payloads; "
-        "refusing to send them in the clear"
-    ], output
+    assert len(refusals) == 1, output  # said once, by rank 0; why: the coordinator's or the client's
+    assert refusals[0].startswith("geodiloco site: join refused: ") and "in the clear" in refusals[0]
     assert "Traceback" not in output and "ChildFailedError" not in output, output
     assert code == EXIT_REFUSED
