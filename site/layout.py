@@ -81,7 +81,7 @@ class ParallelConfig:
             sizes = {}
             for item in filter(None, (p.strip() for p in text.split(","))):
                 key, eq, value = item.partition("=")
-                known = (*MESH_DIMS, "ep", MICROBATCHES)
+                known = (*MESH_DIMS, MICROBATCHES, "ep")
                 if not eq or key.strip() not in known or not value.strip().isdigit():
                     raise LayoutError(
                         f"layout: {item!r} is not one of {', '.join(PRESETS)} or {'|'.join(known)}=N[,...]"
