@@ -20,21 +20,40 @@ def test_train_loss_is_reported_only_for_the_round_it_trained() -> None:
     assert math.isnan(round_train_loss([2.0, 4.0], trained_round=3, closed_round=7))  # resynced
 
 
+def run_site(tmp_path: Path, coordinator: CoordinatorThread, *extra: str) -> tuple[int, str]:
+    """A real 2-rank `geodiloco site run`: its exit code and everything it printed."""
+    args = ["site", "run", "--name", "site-a", "--coordinator", coordinator.target, "--nproc", "2"]
+    site = spawn_geodiloco([*args, "--insecure", *extra], tmp_path / "site.log")
+    try:
+        code = site.wait(timeout=180)
+    finally:
+        if site.poll() is None:
+            kill_tree(site)
+    return code, (tmp_path / "site.log").read_text()
+
+
 @pytest.mark.integration
 def test_a_site_refused_at_join_says_why_in_one_line(tmp_path: Path) -> None:
+    """A refusal only the ranks' Join finds (the declared world exceeds the run's limit)."""
+    with CoordinatorThread(tiny_config(limits__max_world_size=1)) as coordinator:
+        code, output = run_site(tmp_path, coordinator)
+    refusals = [line for line in output.splitlines() if "join refused" in line]
+    assert len(refusals) == 1, output  # said once, by rank 0
+    assert refusals[0] == (
+        "geodiloco site: join refused: INVALID_ARGUMENT: world_size 2 exceeds limits.max_world_size 1"
+    )
+    assert "Traceback" not in output and "ChildFailedError" not in output, output
+    assert code == EXIT_REFUSED
+
+
+@pytest.mark.integration
+def test_a_site_whose_secret_cannot_be_used_is_refused_before_its_ranks_start(tmp_path: Path) -> None:
     new_run_secret(tmp_path / RUN_SECRET)
     secret = write_site_secret(tmp_path, "site-a")  # the coordinator (--insecure) seals nothing
     with CoordinatorThread(tiny_config()) as coordinator:
-        args = ["site", "run", "--name", "site-a", "--coordinator", coordinator.target, "--nproc", "2"]
-        site = spawn_geodiloco([*args, "--insecure", "--secret", str(secret)], tmp_path / "site.log")
-        try:
-            code = site.wait(timeout=180)
-        finally:
-            if site.poll() is None:
-                kill_tree(site)
-    output = (tmp_path / "site.log").read_text()
-    refusals = [line for line in output.splitlines() if "join refused" in line]
-    assert len(refusals) == 1, output  # said once, by rank 0; why: the coordinator's or the client's
-    assert refusals[0].startswith("geodiloco site: join refused: ") and "in the clear" in refusals[0]
-    assert "Traceback" not in output and "ChildFailedError" not in output, output
-    assert code == EXIT_REFUSED
+        code, output = run_site(tmp_path, coordinator, "--secret", str(secret))
+        assert coordinator.controller.sites["site-a"].state == "absent"  # the probe admits nobody
+    refusals = [line for line in output.splitlines() if "refuses site 'site-a'" in line]
+    assert len(refusals) == 1 and "in the clear" in refusals[0], output
+    assert "Traceback" not in output and "join refused" not in output, output  # no rank started
+    assert code == 2
