@@ -556,8 +556,8 @@ class Heartbeater:
                 self.client.heartbeat(self.round)
             except grpc.RpcError as exc:
                 log.warning("heartbeat failed: %s", exc.code().name)
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    self._rejoin()
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and not self._stop.is_set():
+                    self._rejoin()  # never after stop(): the site may have left on purpose
 
     def _rejoin(self) -> None:
         """The lease lapsed (a partition, a long stall): be counted as live again."""

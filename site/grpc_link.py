@@ -132,6 +132,8 @@ class GrpcLink:
         return bool(response.hash_ok)
 
     def leave(self, reason: str) -> None:
+        if self._heartbeat is not None:  # first: a beat refused after Leave would rejoin the site
+            self._heartbeat.stop()
         _call(lambda: self.client.leave(reason))
 
     def close(self) -> None:
