@@ -20,6 +20,7 @@ from geodiloco import logs
 from geodiloco.builders import build_data, build_model
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.durable import STATE_FILE, STATE_LABEL
+from geodiloco.coordinator.fragments import FragmentedController, open_fragments
 from geodiloco.coordinator.journal import Journal
 from geodiloco.coordinator.metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
@@ -122,6 +123,7 @@ class RunningServer:
     journal: Journal
     health_server: grpc.aio.Server | None = None
     health_port: int = 0
+    fragments: FragmentedController | None = None  # a run of P > 1 fragments (controller: the last)
 
     def request_stop(self, grace_s: float | None = None) -> None:
         if grace_s is not None:
@@ -132,8 +134,9 @@ class RunningServer:
         """NOT_SERVING first (probes and balancers stop sending work), then let a commit in
         progress become durable, then give open calls ``grace_s`` to finish."""
         await self.health.enter_graceful_shutdown()
-        await self.controller.settle()
-        await self.controller.checkpoint()  # the next start replays nothing
+        run = self.fragments or FragmentedController.single(self.controller)
+        await run.settle()
+        await run.checkpoint()  # the next start replays nothing
         log.info(
             "stopping: %d rounds committed%s; grace %.1fs for open calls",
             self.controller.round,
@@ -159,9 +162,16 @@ class RunningServer:
 
 
 async def start_server(
-    controller: RoundController, host: str, port: int, *, security: ServerSecurity, grace_s: float = 5.0
+    controller: RoundController,
+    host: str,
+    port: int,
+    *,
+    security: ServerSecurity,
+    grace_s: float = 5.0,
+    fragments: FragmentedController | None = None,
 ) -> RunningServer:
-    """Build and start the grpc.aio server with OuterSync, Admin, health and reflection."""
+    """Build and start the grpc.aio server with OuterSync, Admin, health and reflection.
+    ``fragments``: a run of P > 1 fragments, whose last one is ``controller``."""
     limit = controller.cfg.limits.max_message_bytes
     # A message over the limit is refused by gRPC (RESOURCE_EXHAUSTED) before it is buffered.
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
@@ -174,10 +184,11 @@ async def start_server(
         asyncio.Event(),
         grace_s,
         CoordinatorMetrics(controller),
-        Journal(controller.run_dir),
+        Journal(controller.run_dir if fragments is None else fragments.run_dir),
+        fragments=fragments,
     )
     admin = AdminServicer(controller, running.request_stop, security)
-    outer_sync = OuterSyncServicer(controller, security, running.metrics, running.journal)
+    outer_sync = OuterSyncServicer(controller, security, running.metrics, running.journal, fragments)
     server.add_generic_rpc_handlers(
         (
             strict_service(OUTER_SYNC, outer_sync),
@@ -220,7 +231,7 @@ async def _tick(running: RunningServer) -> None:
     """One controller tick; sites whose lease ran out in it are counted and journaled."""
     controller = running.controller
     joined = [name for name, s in controller.sites.items() if s.state == "joined"]
-    await controller.tick()
+    await (running.fragments or controller).tick()
     for name in joined:
         if controller.sites[name].state == "lost":
             running.metrics.lease_expiries.labels(site=name).inc()
@@ -249,20 +260,29 @@ async def _serve_locked(cfg: RunConfig, opts: ServeOptions) -> None:
     security = opts.security(cfg.run_id)
     sealer = security.keyring.at_rest(STATE_LABEL) if security.keyring else None  # state sealed at rest
     resumes = _resumes(opts.run_dir)
-    controller = RoundController(
-        cfg,
-        None if resumes else initial_parameters(cfg),  # θ_0 unless a snapshot holds θ
-        data_shard_sizes(cfg),
-        opts.run_dir,
-        sealer,
-    )
-    if not resumes:
+    fragments = None
+    if cfg.outer.fragments > 1:  # streaming: one round controller per fragment
+        fragments = await open_fragments(
+            cfg, opts.run_dir, sealer, data_shard_sizes(cfg), lambda: build_model(cfg)
+        )
+        controller = fragments.primary
+    else:
+        controller = RoundController(
+            cfg,
+            None if resumes else initial_parameters(cfg),  # θ_0 unless a snapshot holds θ
+            data_shard_sizes(cfg),
+            opts.run_dir,
+            sealer,
+        )
+    if not resumes and fragments is None:
         await controller.checkpoint()  # θ_0 on disk: a restart reads it instead of rebuilding the model
     # Everything built so far lives as long as the process: out of the collector's sight, a full
     # collection no longer walks torch's hundreds of thousands of objects on the event loop.
     gc.freeze()
     logs.bind(run=cfg.run_id, round=lambda: controller.round)
-    running = await start_server(controller, opts.host, opts.port, security=security, grace_s=opts.grace_s)
+    running = await start_server(
+        controller, opts.host, opts.port, security=security, grace_s=opts.grace_s, fragments=fragments
+    )
     metrics: MetricsServer | None = None
     try:
         if opts.health_port is not None:
