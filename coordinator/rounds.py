@@ -487,6 +487,7 @@ class RoundController:
         contributors, tokens = sorted(mean.contributors), mean.weight
         self._round_tokens = dict(mean.tokens)
         update = await asyncio.to_thread(self._advance, r)
+        computed = time.monotonic()
         digest = update.state_hash
         self.updates[r] = update
         kept = 1 if self.run_dir is not None else KEEP_UPDATES  # with a run directory: in the log
@@ -517,12 +518,14 @@ class RoundController:
         faults.at_commit(r)  # tests: a fault plan's kill or raise, advanced in memory, not yet durable
         await self._persist()
         log.info(
-            "round %d committed: %s, %d tokens, update %d bytes, hash %s",
+            "round %d committed: %s, %d tokens, update %d bytes, hash %s (outer step %.2fs, durable %.2fs)",
             r,
             ",".join(record.contributors),
             record.tokens,
             record.update_bytes,
             digest[:12],
+            computed - started,
+            time.monotonic() - computed,
         )
         await self._notify()
 
