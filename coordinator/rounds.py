@@ -177,6 +177,7 @@ class RoundController:
         self._round_tokens: dict[str, int] = {}
         self.push_digests: dict[tuple[str, int], tuple[bytes, ...]] = {}  # (site, round) -> per part
         self._transfers: dict[str, int] = {}  # push and pull streams in flight, per site
+        self._broken: dict[str, float] = {}  # when a site's last stream broke (see suspect_s)
         self.disk_bytes = 0  # written by the last commit
         self.snapshot_round: int | None = None  # the round of the snapshot on disk
         if run_dir is not None:
@@ -283,13 +284,38 @@ class RoundController:
             return
         self._transfers[name] = self._transfers.get(name, 0) + 1
         record.last_seen = time.monotonic()
+        broken = False
         try:
             yield
+        except (asyncio.CancelledError, GeneratorExit):
+            # the peer went away mid-stream (or its deadline passed): a push's task is cancelled,
+            # a pull's generator closed where it waited to send
+            broken = True
+            raise
         finally:
             self._transfers[name] -= 1
             if not self._transfers[name]:
                 del self._transfers[name]
             record.last_seen = time.monotonic()
+            if broken:
+                self._broken[name] = record.last_seen
+
+    @property
+    def suspect_s(self) -> float:
+        """How long a site whose stream broke is waited for without a heartbeat: a few
+        heartbeats, not a whole lease. A killed site's connection closes, and the healthy sites
+        should not wait a lease for it; a live one heartbeats again within an interval."""
+        return min(self.cfg.lease_s, 3 * self.cfg.heartbeat_interval_s)
+
+    def _silent_for(self, record: SiteRecord, now: float) -> str | None:
+        """Why a joined site is to be expired now, or None."""
+        silent = now - record.last_seen
+        if silent > self.cfg.lease_s:
+            return f"no heartbeat for {silent:.1f}s"
+        broken = self._broken.get(record.name)
+        if broken is not None and record.last_seen <= broken and silent > self.suspect_s:
+            return f"its stream broke and no heartbeat came for {silent:.1f}s since"
+        return None
 
     async def join(self, name: str, run_id: str, world_size: int = 1) -> SiteRecord:
         """Admit a site; its declared ``world_size`` (0: one rank) must fit the limits and the
@@ -689,10 +715,11 @@ class RoundController:
         for record in self.sites.values():
             if record.name in self._transfers:
                 record.last_seen = now  # a stream in flight is a heartbeat
-            elif record.state == "joined" and now - record.last_seen > self.cfg.lease_s:
+            elif record.state == "joined" and (why := self._silent_for(record, now)) is not None:
                 record.state = "lost"
+                self._broken.pop(record.name, None)
                 self.ledger.release_site(record.name)
-                log.warning("site %s lost: no heartbeat for %.1fs", record.name, now - record.last_seen)
+                log.warning("site %s lost: %s", record.name, why)
         await self._maybe_close()
 
     # -- updates and state for the sites ----------------------------------------------------
