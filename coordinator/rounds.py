@@ -136,6 +136,7 @@ class RoundController:
     ) -> None:
         """``initial`` is θ_0 and ``shard_sizes`` the data's; either may be None only when
         ``run_dir`` holds a snapshot to resume (it holds θ and the ledger)."""
+        began = time.monotonic()
         self.cfg = cfg
         self.run_dir = run_dir
         self.sealer = sealer
@@ -184,15 +185,19 @@ class RoundController:
             if state is not None:
                 self.restore(state)
                 self.snapshot_round = self.round
+            loaded = time.monotonic()
             replayed = self._replay()
             if state is not None or replayed:
                 log.info(
-                    "resumed run %s at round %d (hash %s; snapshot of round %s, %d rounds replayed)",
+                    "resumed run %s at round %d (hash %s; snapshot of round %s read in %.2fs, "
+                    "%d rounds replayed in %.2fs)",
                     self.cfg.run_id,
                     self.round,
                     self.hashes[self.round][:12],
                     self.snapshot_round,
+                    loaded - began,
                     replayed,
+                    time.monotonic() - loaded,
                 )
             self._sync_round_log()
             for report in read_reports(run_dir / REPORT_LOG):
