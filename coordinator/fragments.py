@@ -84,11 +84,8 @@ class FragmentedController:
         fragments: list[RoundController],
         run_dir: Path | None = None,
     ) -> None:
-        if plan.count != cfg.outer.fragments or len(fragments) != plan.count:
-            raise ValueError(
-                f"the plan has {plan.count} fragments ({len(fragments)} controllers), "
-                f"outer.fragments is {cfg.outer.fragments}"
-            )
+        if len(fragments) != plan.count:
+            raise ValueError(f"the plan has {plan.count} fragments, {len(fragments)} controllers")
         self.cfg = cfg
         self.plan = plan
         self.fragments = fragments
@@ -107,6 +104,8 @@ class FragmentedController:
     ) -> FragmentedController:
         """A run starting from θ_0 = ``initial``; with ``run_dir``, durable there (a fragment whose
         snapshot is already there, from a first start cut short, resumes from it)."""
+        if plan.count != cfg.outer.fragments:
+            raise ValueError(f"the plan has {plan.count} fragments, outer.fragments is {cfg.outer.fragments}")
         flat = initial.detach().to(torch.float32).reshape(-1)
         if flat.numel() != sum(plan.sizes):
             raise ValueError(f"the plan covers {sum(plan.sizes)} parameters, θ_0 has {flat.numel()}")
@@ -139,7 +138,8 @@ class FragmentedController:
 
     @classmethod
     def single(cls, controller: RoundController) -> FragmentedController:
-        """A run of one fragment: ``controller`` itself, its run directory as it is."""
+        """A run of one fragment: ``controller`` itself, its run directory as it is (also what a
+        server given one controller keeps, whatever its config says: Join then answers one)."""
         n = controller.num_params
         return cls(controller.cfg, FragmentPlan(((0,),), (n,)), [controller], controller.run_dir)
 

@@ -26,6 +26,7 @@ from geodiloco.params import canonical_parameters, flatten_parameters
 from geodiloco.site.client import OuterSyncClient, delta_messages
 from geodiloco.site.grpc_link import GrpcLink
 from geodiloco.site.outer_sync import OuterSync
+from geodiloco.status import fetch_status
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
 from helpers import PLAINTEXT, tiny_config
 
@@ -286,6 +287,8 @@ def test_a_late_fragment_is_dropped_counted_and_caught_up_over_grpc() -> None:
         out = run_sites(server, {"site-b": stall})
         assert c0.sites["site-b"].late == 1  # counted by its fragment
         assert run.late("site-b") >= 1
+        status = {site.site: site for site in fetch_status(server.target, None).sites}
+        assert status["site-b"].late == run.late("site-b") and status["site-b"].hash_ok  # every fragment's
         assert c0.history[1].contributors == ["site-a"]
         theta = server.call(_theta(run))
         assert all(torch.equal(snapshot(s), theta) for s in out.values())
