@@ -23,6 +23,10 @@ from geodiloco.coordinator.rundir import ROUND_LOG, STATE_FILE
 from geodiloco.coordinator.server import RunningServer, run_until_stopped, start_server
 from geodiloco.fragments import FragmentPlan
 from geodiloco.params import canonical_parameters, flatten_parameters
+from geodiloco.security.pki import PkiDir
+from geodiloco.security.policy import ServerSecurity
+from geodiloco.security.sealing import Keyring
+from geodiloco.security.secrets import load_secret
 from geodiloco.site.client import OuterSyncClient, delta_messages
 from geodiloco.site.grpc_link import GrpcLink
 from geodiloco.site.outer_sync import OuterSync
@@ -71,7 +75,7 @@ def fragmented(cfg: RunConfig, run_dir: Path | None = None) -> FragmentedControl
 class Server:
     """A real grpc.aio coordinator of a fragmented run, on a loopback port, in a thread."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, security: ServerSecurity = PLAINTEXT) -> None:
         self.cfg = cfg
         self.loop = asyncio.new_event_loop()
         self.run: FragmentedController | None = None
@@ -84,7 +88,7 @@ class Server:
             async def serve() -> None:
                 self.run = fragmented(cfg)
                 self.running = await start_server(
-                    self.run.primary, "127.0.0.1", 0, security=PLAINTEXT, grace_s=0.5, fragments=self.run
+                    self.run.primary, "127.0.0.1", 0, security=security, grace_s=0.5, fragments=self.run
                 )
                 ready.set()
                 await run_until_stopped(self.running)
@@ -210,8 +214,13 @@ def inner_step(model: nn.Module, gen: torch.Generator) -> None:
 Hook = Callable[[OuterSync, int], None]
 
 
-def train(target: str, name: str, out: dict[str, Any], hook: Hook | None = None) -> None:
-    sync = OuterSync.over(GrpcLink(target, name))
+Links = Callable[[str, str], GrpcLink]
+
+
+def train(
+    target: str, name: str, out: dict[str, Any], hook: Hook | None = None, links: Links = GrpcLink
+) -> None:
+    sync = OuterSync.over(links(target, name))
     model = sync.attach(Blocks())
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     step = 0
@@ -228,10 +237,12 @@ def train(target: str, name: str, out: dict[str, Any], hook: Hook | None = None)
     out[name] = sync
 
 
-def run_sites(server: Server, hooks: dict[str, Hook] | None = None) -> dict[str, OuterSync]:
+def run_sites(
+    server: Server, hooks: dict[str, Hook] | None = None, links: Links = GrpcLink
+) -> dict[str, OuterSync]:
     out: dict[str, Any] = {}
     threads = [
-        threading.Thread(target=train, args=(server.target, n, out, (hooks or {}).get(n)))
+        threading.Thread(target=train, args=(server.target, n, out, (hooks or {}).get(n), links))
         for n in server.cfg.sites
     ]
     for t in threads:
@@ -261,6 +272,29 @@ def test_sites_stream_fragments_over_grpc_and_hashes_agree(fragments: int, overl
             assert torch.equal(snapshot(sync), theta)
         consumed = [row for h in run.primary.history for row in h.data]
         assert len(consumed) == len({tuple(row[1:]) for row in consumed}) > 0  # each window once
+
+
+def test_sealed_fragments_over_mutual_tls_agree(tmp_path: Path) -> None:
+    """Every fragment's chunks sealed (the fragment id in the associated data), over mTLS."""
+    pki = PkiDir(tmp_path / "pki")
+    pki.init()
+    cfg = config(2, 1, rounds=2)
+    keyring = Keyring(load_secret(pki.run_secret), cfg.run_id)
+    security = ServerSecurity(tls=pki.issue_coordinator(["127.0.0.1", "localhost"]), keyring=keyring)
+    sites = {name: pki.issue_site(name) for name in cfg.sites}
+
+    def link(target: str, name: str) -> GrpcLink:
+        files, secret = sites[name]
+        return GrpcLink(target, name, tls=files, site_secret=load_secret(secret))
+
+    with Server(cfg, security) as server:
+        out = run_sites(server, links=link)
+        run = server.fragments
+        assert all(
+            len(c.history) == cfg.rounds and all(h.hashes_agree for h in c.history) for c in run.fragments
+        )
+        theta = server.call(_theta(run))
+        assert all(torch.equal(snapshot(s), theta) for s in out.values())
 
 
 async def _theta(run: FragmentedController) -> torch.Tensor:
