@@ -19,7 +19,7 @@ from torch import nn
 from geodiloco.compression import encode_chunks, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.fragments import PLAN_FILE, FragmentedController, fragment_dir, resumes
-from geodiloco.coordinator.rundir import ROUND_LOG, STATE_FILE
+from geodiloco.coordinator.rundir import ROUND_LOG, STATE_FILE, ConfigDrift
 from geodiloco.coordinator.server import RunningServer, run_until_stopped, start_server
 from geodiloco.fragments import FragmentPlan
 from geodiloco.params import canonical_parameters, flatten_parameters
@@ -377,5 +377,9 @@ def test_one_fragment_keeps_the_run_directory_layout(tmp_path: Path) -> None:
 def test_a_resume_with_other_fragments_is_refused(tmp_path: Path) -> None:
     run = fragmented(config(), tmp_path)
     asyncio.run(run.persist_start())
-    with pytest.raises(ValueError, match=r"outer\.fragments"):
+    with pytest.raises(ConfigDrift, match=r"outer\.fragments: 2 when run"):
         FragmentedController.resume(config(fragments=4, overlap=0), SHARDS, tmp_path)
+    one = tmp_path / "one"  # a run of one fragment is not resumed as fragments, nor the reverse
+    asyncio.run(fragmented(config(fragments=1, overlap=0), one).persist_start())
+    with pytest.raises(ConfigDrift, match=r"outer\.fragments: 1 when run"):
+        fragmented(config(), one)
