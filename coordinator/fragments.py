@@ -21,6 +21,7 @@ building the model.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,6 +37,8 @@ from geodiloco.fragments import FragmentPlan
 from geodiloco.params import flatten_parameters
 from geodiloco.security.sealing import Sealer
 from geodiloco.workload.data import DataRange
+
+log = logging.getLogger("geodiloco.coordinator")
 
 PLAN_FILE = "fragments.json"  # the fragment plan of a run of P > 1 fragments
 
@@ -254,9 +257,16 @@ async def open_fragments(
     ``build_model`` makes (θ_0 and the plan), made durable before any site is served."""
     if resumes(run_dir):
         assert run_dir is not None
-        return FragmentedController.resume(cfg, shard_sizes, run_dir, sealer)
-    model = build_model()
-    plan = FragmentPlan.of_model(model, cfg.outer.fragments)
-    run = FragmentedController.create(cfg, flatten_parameters(model), shard_sizes, plan, run_dir, sealer)
-    await run.persist_start()
+        run = FragmentedController.resume(cfg, shard_sizes, run_dir, sealer)
+    else:
+        model = build_model()
+        plan = FragmentPlan.of_model(model, cfg.outer.fragments)
+        run = FragmentedController.create(cfg, flatten_parameters(model), shard_sizes, plan, run_dir, sealer)
+        await run.persist_start()
+    log.info(
+        "streaming: %d fragments of %s parameters, at rounds %s",
+        run.count,
+        "/".join(str(run.plan.numel(p)) for p in range(run.count)),
+        "/".join(str(c.round) for c in run.fragments),
+    )
     return run
