@@ -123,7 +123,7 @@ class FragmentedController:
 
     @classmethod
     def resume(
-        cls, cfg: RunConfig, shard_sizes: list[int], run_dir: Path, sealer: Sealer | None = None
+        cls, cfg: RunConfig, shard_sizes: list[int] | None, run_dir: Path, sealer: Sealer | None = None
     ) -> FragmentedController:
         """The run kept in ``run_dir`` (see :func:`resumes`), every fragment from its own state."""
         check_run_config(run_dir, cfg)
@@ -250,18 +250,19 @@ async def open_fragments(
     cfg: RunConfig,
     run_dir: Path | None,
     sealer: Sealer | None,
-    shard_sizes: list[int],
+    shard_sizes: Callable[[], list[int]],
     build_model: Callable[[], nn.Module],
 ) -> FragmentedController:
     """The fragments of a run of P > 1: resumed from ``run_dir``, or started from the model
     ``build_model`` makes (θ_0 and the plan), made durable before any site is served."""
     if resumes(run_dir):
         assert run_dir is not None
-        run = FragmentedController.resume(cfg, shard_sizes, run_dir, sealer)
+        run = FragmentedController.resume(cfg, None, run_dir, sealer)  # the ledger is the snapshot's
     else:
         model = build_model()
         plan = FragmentPlan.of_model(model, cfg.outer.fragments)
-        run = FragmentedController.create(cfg, flatten_parameters(model), shard_sizes, plan, run_dir, sealer)
+        initial = flatten_parameters(model)
+        run = FragmentedController.create(cfg, initial, shard_sizes(), plan, run_dir, sealer)
         await run.persist_start()
     log.info(
         "streaming: %d fragments of %s parameters, at rounds %s",

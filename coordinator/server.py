@@ -7,7 +7,8 @@ import gc
 import logging
 import signal
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -51,7 +52,10 @@ SERVER_OPTIONS = [
 OUTER_SYNC = outer_sync_pb2.DESCRIPTOR.services_by_name["OuterSync"]
 ADMIN = admin_pb2.DESCRIPTOR.services_by_name["Admin"]
 SERVICE_NAMES = (OUTER_SYNC.full_name, ADMIN.full_name)
-TICK_S = 0.5
+# How often leases and deadlines are checked: a lost site is noticed at most this late, and
+# the healthy ones wait that much longer for the round to close without it. A tick walks the
+# sites only, so it stays cheap at any model size.
+TICK_S = 0.1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,6 +73,7 @@ class ServeOptions:
     insecure: bool = False
     metrics_port: int | None = None  # Prometheus /metrics on ``host`` (0 picks a free port)
     health_port: int | None = None  # plaintext grpc.health.v1 only, for probes that cannot do mTLS
+    started: float | None = None  # time.monotonic() when the process began (the CLI's import)
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "health_port"):
@@ -103,6 +108,25 @@ def data_shard_sizes(cfg: RunConfig) -> list[int]:
 def initial_parameters(cfg: RunConfig) -> torch.Tensor:
     """θ_0 from the run's model builder and seed: the same values every site builds on its own."""
     return flatten_parameters(build_model(cfg))
+
+
+@dataclass(slots=True)
+class StartupClock:
+    """Seconds spent in each phase of a coordinator's start. A restart must serve again within
+    a few seconds (sites wait meanwhile), so the start logs where its time went."""
+
+    last: float
+    phases: list[tuple[str, float]] = field(default_factory=list)
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.phases.append((phase, now - self.last))
+        self.last = now
+
+    def summary(self) -> str:
+        total = sum(seconds for _, seconds in self.phases)
+        parts = ", ".join(f"{phase} {seconds:.2f}s" for phase, seconds in self.phases)
+        return f"{total:.2f}s ({parts})"
 
 
 class BindError(OSError):
@@ -247,35 +271,43 @@ async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
     # Intake and commits run in worker threads; a short switch interval hands the GIL back to
     # the event loop sooner, so heartbeats and pulls are answered while they work.
     sys.setswitchinterval(0.001)
+    clock = StartupClock(time.monotonic())
+    if opts.started is not None:
+        clock.last = opts.started
+        clock.mark("imports")
     # before anything in the run directory is read: one coordinator per run directory
     lock = lock_run_dir(opts.run_dir) if opts.run_dir is not None else None
     try:
-        await _serve_locked(cfg, opts)
+        await _serve_locked(cfg, opts, clock)
     finally:
         if lock is not None:
             lock.release()
 
 
-async def _serve_locked(cfg: RunConfig, opts: ServeOptions) -> None:
+async def _serve_locked(cfg: RunConfig, opts: ServeOptions, clock: StartupClock) -> None:
     security = opts.security(cfg.run_id)
     sealer = security.keyring.at_rest(STATE_LABEL) if security.keyring else None  # state sealed at rest
     resumes = _resumes(opts.run_dir)
+    # A resume builds neither the model nor the data: θ and the ledger (with its shard sizes)
+    # come from the snapshot, so a restart costs the state's size, not the workload's.
     fragments = None
     if cfg.outer.fragments > 1:  # streaming: one round controller per fragment
         fragments = await open_fragments(
-            cfg, opts.run_dir, sealer, data_shard_sizes(cfg), lambda: build_model(cfg)
+            cfg, opts.run_dir, sealer, lambda: data_shard_sizes(cfg), lambda: build_model(cfg)
         )
         controller = fragments.primary
+        clock.mark("fragments")
     else:
-        controller = RoundController(
-            cfg,
-            None if resumes else initial_parameters(cfg),  # θ_0 unless a snapshot holds θ
-            data_shard_sizes(cfg),
-            opts.run_dir,
-            sealer,
-        )
+        initial: torch.Tensor | None = None
+        shard_sizes: list[int] | None = None
+        if not resumes:
+            initial, shard_sizes = initial_parameters(cfg), data_shard_sizes(cfg)
+            clock.mark("model and data")
+        controller = RoundController(cfg, initial, shard_sizes, opts.run_dir, sealer)
+        clock.mark("state and replay" if resumes else "controller")
     if not resumes and fragments is None:
         await controller.checkpoint()  # θ_0 on disk: a restart reads it instead of rebuilding the model
+        clock.mark("first snapshot")
     # Everything built so far lives as long as the process: out of the collector's sight, a full
     # collection no longer walks torch's hundreds of thousands of objects on the event loop.
     gc.freeze()
@@ -283,6 +315,7 @@ async def _serve_locked(cfg: RunConfig, opts: ServeOptions) -> None:
     running = await start_server(
         controller, opts.host, opts.port, security=security, grace_s=opts.grace_s, fragments=fragments
     )
+    clock.mark("server start")
     metrics: MetricsServer | None = None
     try:
         if opts.health_port is not None:
@@ -297,16 +330,17 @@ async def _serve_locked(cfg: RunConfig, opts: ServeOptions) -> None:
         await running.server.stop(0)
         raise
     try:
-        await _serve_until_stopped(cfg, opts, running, security)
+        await _serve_until_stopped(cfg, opts, running, security, clock)
     finally:
         if metrics is not None:
             metrics.close()
 
 
 async def _serve_until_stopped(
-    cfg: RunConfig, opts: ServeOptions, running: RunningServer, security: ServerSecurity
+    cfg: RunConfig, opts: ServeOptions, running: RunningServer, security: ServerSecurity, clock: StartupClock
 ) -> None:
     controller = running.controller
+    log.info("ready to serve at round %d after %s", controller.round, clock.summary())
     log.info(
         "coordinator for run %s serving on %s:%d, %s, payloads %s (%d parameters, sites: %s)",
         cfg.run_id,

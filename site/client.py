@@ -66,7 +66,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.max_reconnect_backoff_ms", 5_000),  # back soon after a coordinator restart (leases are short)
+    # back within a second of a coordinator restart: every site waits for the last one to return
+    # (a dial a second to a dead coordinator costs nothing)
+    ("grpc.max_reconnect_backoff_ms", 1_000),
     ("grpc.enable_retries", 1),
     ("grpc.service_config", _RETRY_SERVICE_CONFIG),
 ]
