@@ -21,6 +21,7 @@ building the model.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,6 +37,8 @@ from geodiloco.fragments import FragmentPlan
 from geodiloco.params import flatten_parameters
 from geodiloco.security.sealing import Sealer
 from geodiloco.workload.data import DataRange
+
+log = logging.getLogger("geodiloco.coordinator")
 
 PLAN_FILE = "fragments.json"  # the fragment plan of a run of P > 1 fragments
 
@@ -84,11 +87,8 @@ class FragmentedController:
         fragments: list[RoundController],
         run_dir: Path | None = None,
     ) -> None:
-        if plan.count != cfg.outer.fragments or len(fragments) != plan.count:
-            raise ValueError(
-                f"the plan has {plan.count} fragments ({len(fragments)} controllers), "
-                f"outer.fragments is {cfg.outer.fragments}"
-            )
+        if len(fragments) != plan.count:
+            raise ValueError(f"the plan has {plan.count} fragments, {len(fragments)} controllers")
         self.cfg = cfg
         self.plan = plan
         self.fragments = fragments
@@ -107,6 +107,8 @@ class FragmentedController:
     ) -> FragmentedController:
         """A run starting from θ_0 = ``initial``; with ``run_dir``, durable there (a fragment whose
         snapshot is already there, from a first start cut short, resumes from it)."""
+        if plan.count != cfg.outer.fragments:
+            raise ValueError(f"the plan has {plan.count} fragments, outer.fragments is {cfg.outer.fragments}")
         flat = initial.detach().to(torch.float32).reshape(-1)
         if flat.numel() != sum(plan.sizes):
             raise ValueError(f"the plan covers {sum(plan.sizes)} parameters, θ_0 has {flat.numel()}")
@@ -139,7 +141,8 @@ class FragmentedController:
 
     @classmethod
     def single(cls, controller: RoundController) -> FragmentedController:
-        """A run of one fragment: ``controller`` itself, its run directory as it is."""
+        """A run of one fragment: ``controller`` itself, its run directory as it is (also what a
+        server given one controller keeps, whatever its config says: Join then answers one)."""
         n = controller.num_params
         return cls(controller.cfg, FragmentPlan(((0,),), (n,)), [controller], controller.run_dir)
 
@@ -254,9 +257,17 @@ async def open_fragments(
     ``build_model`` makes (θ_0 and the plan), made durable before any site is served."""
     if resumes(run_dir):
         assert run_dir is not None
-        return FragmentedController.resume(cfg, None, run_dir, sealer)  # the ledger is the snapshot's
-    model = build_model()
-    plan = FragmentPlan.of_model(model, cfg.outer.fragments)
-    run = FragmentedController.create(cfg, flatten_parameters(model), shard_sizes(), plan, run_dir, sealer)
-    await run.persist_start()
+        run = FragmentedController.resume(cfg, None, run_dir, sealer)  # the ledger is the snapshot's
+    else:
+        model = build_model()
+        plan = FragmentPlan.of_model(model, cfg.outer.fragments)
+        initial = flatten_parameters(model)
+        run = FragmentedController.create(cfg, initial, shard_sizes(), plan, run_dir, sealer)
+        await run.persist_start()
+    log.info(
+        "streaming: %d fragments of %s parameters, at rounds %s",
+        run.count,
+        "/".join(str(run.plan.numel(p)) for p in range(run.count)),
+        "/".join(str(c.round) for c in run.fragments),
+    )
     return run

@@ -211,7 +211,7 @@ async def start_server(
         Journal(controller.run_dir if fragments is None else fragments.run_dir),
         fragments=fragments,
     )
-    admin = AdminServicer(controller, running.request_stop, security)
+    admin = AdminServicer(controller, running.request_stop, security, fragments)
     outer_sync = OuterSyncServicer(controller, security, running.metrics, running.journal, fragments)
     server.add_generic_rpc_handlers(
         (

@@ -40,7 +40,7 @@ from geodiloco.coordinator.fragments import FragmentedController
 from geodiloco.coordinator.intake import Intake, PartStream, StagedContribution
 from geodiloco.coordinator.journal import Journal
 from geodiloco.coordinator.metrics import CoordinatorMetrics
-from geodiloco.coordinator.rounds import RoundController
+from geodiloco.coordinator.rounds import RoundController, SiteRecord
 from geodiloco.security.chunks import KeyMismatch, open_delta, seal_update
 from geodiloco.security.policy import Denied, ServerSecurity, is_admin, peer_identity, require_site
 from geodiloco.security.ratelimit import RateLimiter
@@ -273,7 +273,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             require_site(self.security, context, first.header.site)
             site, round_, fragment = first.header.site, first.header.round, first.header.fragment
             c = self.run.fragment(fragment)  # before anything of the push is read or kept
-            stream = await self._begin(c, first)
+            stream = await self._begin(first)
             chunk = first
             with self.run.transferring(site):
                 while chunk is not None:
@@ -338,10 +338,11 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             return bytes(chunk.payload)
         return open_delta(self.security.keyring.site(chunk.header.site).up, chunk)
 
-    async def _begin(self, c: RoundController, first: Any) -> PartStream:
-        """The stream of this part (of fragment ``c``); a duplicate (already accepted or received)
+    async def _begin(self, first: Any) -> PartStream:
+        """The stream of this part (of its fragment); a duplicate (already accepted or received)
         only gets checked."""
         h = first.header
+        c = self.run.fragment(h.fragment)
         duplicate = c.check_push(h.site, h.run_id, h.round)
         intake = self.intakes[h.fragment]
         stream = await intake.begin(first)  # authenticated before anything of it is kept
@@ -463,14 +464,19 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     """Status for everyone with a certificate of the run's CA; details and Shutdown for admins."""
 
     def __init__(
-        self, controller: RoundController, on_shutdown: Callable[[float], None], security: ServerSecurity
+        self,
+        controller: RoundController,
+        on_shutdown: Callable[[float], None],
+        security: ServerSecurity,
+        fragments: FragmentedController | None = None,
     ) -> None:
         self.c = controller
         self.on_shutdown = on_shutdown
         self.security = security
+        self.fragments = fragments
 
     async def GetStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        full = status_message(self.c)
+        full = status_message(self.c, self.fragments)
         if is_admin(self.security, context):
             return full
         return admin_pb2.StatusResponse(
@@ -493,27 +499,22 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return admin_pb2.ShutdownResponse()
 
 
-def status_message(c: RoundController) -> Any:
+def status_message(c: RoundController, fragments: FragmentedController | None = None) -> Any:
+    """The run's status from its (last fragment's) controller ``c``; with ``fragments``, a site's
+    refused and late pushes are counted over every fragment, and its hash is ok only when its
+    last report of every fragment matched."""
     now = time.monotonic()
-    sites = [
-        admin_pb2.SiteStatus(
-            site=s.name,
-            state=s.state,
-            last_round=s.last_round,
-            lease_remaining_s=max(0.0, c.cfg.lease_s - (now - s.last_seen)) if s.state == "joined" else 0.0,
-            eval_loss=s.eval_loss,
-            train_loss=s.train_loss,
-            tokens=s.tokens,
-            bytes_in=s.bytes_in,
-            bytes_out=s.bytes_out,
-            accepted=s.accepted,
-            rejected=s.rejected,
-            late=s.late,
-            hash_ok=s.hash_ok,
-            last_report_round=s.last_report_round,
+    run = fragments or FragmentedController.single(c)
+
+    def over_fragments(name: str) -> tuple[int, int, bool]:
+        records = [f.sites[name] for f in run.fragments if name in f.sites]
+        return (
+            sum(r.rejected for r in records),
+            sum(r.late for r in records),
+            all(r.hash_ok for r in records),
         )
-        for s in c.sites.values()
-    ]
+
+    sites = [_site_status(c, s, now, *over_fragments(s.name)) for s in c.sites.values()]
     history = [
         admin_pb2.RoundRecord(
             round=h.round,
@@ -540,7 +541,28 @@ def status_message(c: RoundController) -> Any:
         wan_bytes_out=sum(s.bytes_out for s in c.sites.values()),
         uptime_s=now - c.started,
         phase=c.phase,
-        num_params=c.num_params,
+        num_params=run.num_params,
         data_windows_consumed=c.ledger.progress()[0],
         data_windows_total=c.ledger.progress()[1],
+    )
+
+
+def _site_status(
+    c: RoundController, s: SiteRecord, now: float, rejected: int, late: int, hash_ok: bool
+) -> Any:
+    return admin_pb2.SiteStatus(
+        site=s.name,
+        state=s.state,
+        last_round=s.last_round,
+        lease_remaining_s=max(0.0, c.cfg.lease_s - (now - s.last_seen)) if s.state == "joined" else 0.0,
+        eval_loss=s.eval_loss,
+        train_loss=s.train_loss,
+        tokens=s.tokens,
+        bytes_in=s.bytes_in,
+        bytes_out=s.bytes_out,
+        accepted=s.accepted,
+        rejected=rejected,
+        late=late,
+        hash_ok=hash_ok,
+        last_report_round=s.last_report_round,
     )

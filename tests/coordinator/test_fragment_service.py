@@ -19,13 +19,18 @@ from torch import nn
 from geodiloco.compression import encode_chunks, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.fragments import PLAN_FILE, FragmentedController, fragment_dir, resumes
-from geodiloco.coordinator.rundir import ROUND_LOG, STATE_FILE
+from geodiloco.coordinator.rundir import ROUND_LOG, STATE_FILE, ConfigDrift
 from geodiloco.coordinator.server import RunningServer, run_until_stopped, start_server
 from geodiloco.fragments import FragmentPlan
 from geodiloco.params import canonical_parameters, flatten_parameters
+from geodiloco.security.pki import PkiDir
+from geodiloco.security.policy import ServerSecurity
+from geodiloco.security.sealing import Keyring
+from geodiloco.security.secrets import load_secret
 from geodiloco.site.client import OuterSyncClient, delta_messages
 from geodiloco.site.grpc_link import GrpcLink
 from geodiloco.site.outer_sync import OuterSync
+from geodiloco.status import fetch_status
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
 from helpers import PLAINTEXT, tiny_config
 
@@ -70,7 +75,7 @@ def fragmented(cfg: RunConfig, run_dir: Path | None = None) -> FragmentedControl
 class Server:
     """A real grpc.aio coordinator of a fragmented run, on a loopback port, in a thread."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, security: ServerSecurity = PLAINTEXT) -> None:
         self.cfg = cfg
         self.loop = asyncio.new_event_loop()
         self.run: FragmentedController | None = None
@@ -83,7 +88,7 @@ class Server:
             async def serve() -> None:
                 self.run = fragmented(cfg)
                 self.running = await start_server(
-                    self.run.primary, "127.0.0.1", 0, security=PLAINTEXT, grace_s=0.5, fragments=self.run
+                    self.run.primary, "127.0.0.1", 0, security=security, grace_s=0.5, fragments=self.run
                 )
                 ready.set()
                 await run_until_stopped(self.running)
@@ -209,8 +214,13 @@ def inner_step(model: nn.Module, gen: torch.Generator) -> None:
 Hook = Callable[[OuterSync, int], None]
 
 
-def train(target: str, name: str, out: dict[str, Any], hook: Hook | None = None) -> None:
-    sync = OuterSync.over(GrpcLink(target, name))
+Links = Callable[[str, str], GrpcLink]
+
+
+def train(
+    target: str, name: str, out: dict[str, Any], hook: Hook | None = None, links: Links = GrpcLink
+) -> None:
+    sync = OuterSync.over(links(target, name))
     model = sync.attach(Blocks())
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     step = 0
@@ -227,10 +237,12 @@ def train(target: str, name: str, out: dict[str, Any], hook: Hook | None = None)
     out[name] = sync
 
 
-def run_sites(server: Server, hooks: dict[str, Hook] | None = None) -> dict[str, OuterSync]:
+def run_sites(
+    server: Server, hooks: dict[str, Hook] | None = None, links: Links = GrpcLink
+) -> dict[str, OuterSync]:
     out: dict[str, Any] = {}
     threads = [
-        threading.Thread(target=train, args=(server.target, n, out, (hooks or {}).get(n)))
+        threading.Thread(target=train, args=(server.target, n, out, (hooks or {}).get(n), links))
         for n in server.cfg.sites
     ]
     for t in threads:
@@ -262,6 +274,29 @@ def test_sites_stream_fragments_over_grpc_and_hashes_agree(fragments: int, overl
         assert len(consumed) == len({tuple(row[1:]) for row in consumed}) > 0  # each window once
 
 
+def test_sealed_fragments_over_mutual_tls_agree(tmp_path: Path) -> None:
+    """Every fragment's chunks sealed (the fragment id in the associated data), over mTLS."""
+    pki = PkiDir(tmp_path / "pki")
+    pki.init()
+    cfg = config(2, 1, rounds=2)
+    keyring = Keyring(load_secret(pki.run_secret), cfg.run_id)
+    security = ServerSecurity(tls=pki.issue_coordinator(["127.0.0.1", "localhost"]), keyring=keyring)
+    sites = {name: pki.issue_site(name) for name in cfg.sites}
+
+    def link(target: str, name: str) -> GrpcLink:
+        files, secret = sites[name]
+        return GrpcLink(target, name, tls=files, site_secret=load_secret(secret))
+
+    with Server(cfg, security) as server:
+        out = run_sites(server, links=link)
+        run = server.fragments
+        assert all(
+            len(c.history) == cfg.rounds and all(h.hashes_agree for h in c.history) for c in run.fragments
+        )
+        theta = server.call(_theta(run))
+        assert all(torch.equal(snapshot(s), theta) for s in out.values())
+
+
 async def _theta(run: FragmentedController) -> torch.Tensor:
     return run.theta()
 
@@ -286,6 +321,8 @@ def test_a_late_fragment_is_dropped_counted_and_caught_up_over_grpc() -> None:
         out = run_sites(server, {"site-b": stall})
         assert c0.sites["site-b"].late == 1  # counted by its fragment
         assert run.late("site-b") >= 1
+        status = {site.site: site for site in fetch_status(server.target, None).sites}
+        assert status["site-b"].late == run.late("site-b") and status["site-b"].hash_ok  # every fragment's
         assert c0.history[1].contributors == ["site-a"]
         theta = server.call(_theta(run))
         assert all(torch.equal(snapshot(s), theta) for s in out.values())
@@ -319,7 +356,7 @@ def test_each_fragment_is_durable_in_its_own_directory_and_resumes_bit_exact(tmp
         d = fragment_dir(tmp_path, p)
         assert (d / STATE_FILE).exists() and (d / ROUND_LOG).exists()
     assert not (tmp_path / STATE_FILE).exists() and not (tmp_path / ROUND_LOG).exists()
-    again = FragmentedController.resume(cfg, SHARDS, tmp_path)
+    again = FragmentedController.resume(cfg, None, tmp_path)  # as the server: the ledger from the state
     assert again.plan == run.plan
     for before, after in zip(run.fragments, again.fragments, strict=True):
         assert after.round == before.round == 3
@@ -340,5 +377,9 @@ def test_one_fragment_keeps_the_run_directory_layout(tmp_path: Path) -> None:
 def test_a_resume_with_other_fragments_is_refused(tmp_path: Path) -> None:
     run = fragmented(config(), tmp_path)
     asyncio.run(run.persist_start())
-    with pytest.raises(ValueError, match=r"outer\.fragments"):
+    with pytest.raises(ConfigDrift, match=r"outer\.fragments: 2 when run"):
         FragmentedController.resume(config(fragments=4, overlap=0), SHARDS, tmp_path)
+    one = tmp_path / "one"  # a run of one fragment is not resumed as fragments, nor the reverse
+    asyncio.run(fragmented(config(fragments=1, overlap=0), one).persist_start())
+    with pytest.raises(ConfigDrift, match=r"outer\.fragments: 1 when run"):
+        fragmented(config(), one)

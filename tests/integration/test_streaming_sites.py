@@ -74,7 +74,7 @@ class Run:
         path = fragment_dir(self.run_dir, p) / "reports.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()]
 
-    def wait_rounds(self, rounds: int, timeout_s: float = 60) -> None:
+    def wait_rounds(self, rounds: int, timeout_s: float = 120) -> None:
         """Until the last fragment (the run's round) has committed ``rounds`` rounds."""
         deadline = time.monotonic() + timeout_s
         while len(self.fragment_log(FRAGMENTS - 1)) < rounds:
