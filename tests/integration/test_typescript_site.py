@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from geodiloco.compression import encode_chunks, parse_pipeline
+from geodiloco.config import RunConfig
 from geodiloco.site.client import OuterSyncClient, delta_messages
 from helpers import CoordinatorThread, kill_tree, tiny_config
 
@@ -21,10 +22,12 @@ pytestmark = pytest.mark.integration
 TS_CLIENT = Path(__file__).resolve().parents[2] / "clients" / "typescript"
 
 
-def push(client: OuterSyncClient, round_: int, delta: torch.Tensor, codec: str, chunk: int) -> bool:
-    """A whole contribution of ``client``'s site; True when it was a duplicate."""
-    chunks, _ = encode_chunks(parse_pipeline(codec), delta, chunk, round_=round_)
-    msgs = delta_messages(client.run_id, client.site, round_, codec, chunks, 100, client.assigned)
+def push(client: OuterSyncClient, cfg: RunConfig, n: int, seed: int) -> bool:
+    """A whole round-0 contribution (random, small) of ``client``'s site; True if a duplicate."""
+    codec = cfg.compression.uplink
+    delta = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 1e-3
+    chunks, _ = encode_chunks(parse_pipeline(codec), delta, cfg.compression.chunk_elements, round_=0)
+    msgs = delta_messages(client.run_id, client.site, 0, codec, chunks, 100, client.assigned)
     return bool(client.stub.PushDelta(iter(msgs), timeout=30).duplicate)
 
 
@@ -37,7 +40,6 @@ def test_a_push_refused_as_already_held_is_followed_by_the_pull(tmp_path: Path) 
     cfg = tiny_config(
         sites=["site-py", "site-ts"], min_sites=2, rounds=1, lease_s=60.0, round_timeout_s=120.0
     )
-    codec, chunk = cfg.compression.uplink, cfg.compression.chunk_elements
     tsx = TS_CLIENT / "node_modules" / ".bin" / "tsx"
     assert tsx.exists(), "run `npm ci` in clients/typescript (make setup does)"
     log = tmp_path / "site-ts.log"
@@ -46,9 +48,7 @@ def test_a_push_refused_as_already_held_is_followed_by_the_pull(tmp_path: Path) 
         # an earlier push of site-ts for round 0 (say, from before the site restarted)
         earlier = OuterSyncClient(coordinator.target, "site-ts")
         earlier.join()
-        assert not push(
-            earlier, 0, torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-3, codec, chunk
-        )
+        assert not push(earlier, cfg, n, seed=1)
         command = [str(tsx), "src/site.ts", "--coordinator", coordinator.target, "--name", "site-ts"]
         with open(log, "wb") as out:
             ts = subprocess.Popen(
@@ -61,9 +61,8 @@ def test_a_push_refused_as_already_held_is_followed_by_the_pull(tmp_path: Path) 
                 time.sleep(0.2)
             py = OuterSyncClient(coordinator.target, "site-py")
             py.join()
-            assert not push(
-                py, 0, torch.randn(n, generator=torch.Generator().manual_seed(2)) * 1e-3, codec, chunk
-            )
+            assert not push(py, cfg, n, seed=2)
+            py.close()
             assert ts.wait(timeout=120) == 0, log.read_text()[-3000:]
         finally:
             if ts.poll() is None:
