@@ -11,7 +11,9 @@ partition crosses it). Prints and writes as JSON (``--json PATH``):
 - rounds committed, rounds lost (must be 0), hash mismatches (sites whose final hash differs,
   breaks of the round log's hash chain), the ledger audit (every data window consumed once);
 - per fault: where it fired, and the longest stall of the healthy sites it caused (the longest
-  gap between commits from the moment it fired until the next fault fired);
+  gap between commits from the moment it fired until the next fault fired, a gap that the next
+  fault's firing interrupts counted up to that moment); the typical round (the median gap
+  between commits) and the longest stall less it, what a fault added to a round;
 - per coordinator death: seconds from its restart to serving, and to the next commit;
 - the final eval loss against the fault-free run's.
 
@@ -253,11 +255,15 @@ class Soak:
             "wall_s": time.monotonic() - self.started,
             "restarts": self.restarts,
             "faults": self.fault_stalls(),
+            "typical_round_s": self.typical_round_s(),
             "coordinator_restarts": self.coordinator_deaths,
         }
 
     def fault_stalls(self) -> list[dict[str, Any]]:
-        """Per fault: the longest gap between commits from when it fired until the next fired."""
+        """Per fault: the longest wait for a commit while it was the latest fault to fire.
+
+        Its window runs from its firing to the next fault's; a wait that the next fault's
+        firing interrupts is counted up to that moment (what follows is the next fault's)."""
         if not self.faults:
             return []
         records = fired(self.plan)
@@ -275,18 +281,23 @@ class Soak:
                 continue
             start = fired_at[i]
             later = [fired_at[j] for j in order if fired_at[j] > start]
-            end = later[0] if later else commits[-1]
-            times = [start] + [t for t in commits if start < t <= end]
-            after = [t for t in commits if t > end][:1]  # the commit that ended a stall at `end`
-            gaps = [b - a for a, b in zip(times, times[1:] + after, strict=False)]
+            within = [t for t in commits if start < t]
+            if later:
+                within = [t for t in within if t <= later[0]] + [later[0]]
+            times = [start, *within]
             entry.update(
                 fired=True,
                 fired_round=records[i]["round"],
                 fired_at=records[i]["step"],
-                longest_stall_s=round(max(gaps, default=0.0), 2),
+                longest_stall_s=round(max((b - a for a, b in itertools.pairwise(times)), default=0.0), 2),
             )
             out.append(entry)
         return out
+
+    def typical_round_s(self) -> float:
+        """The median gap between commits: a round's pace in this run when nothing fails."""
+        gaps = sorted(b - a for a, b in itertools.pairwise(sorted(self.commits.values())))
+        return gaps[len(gaps) // 2] if gaps else math.nan
 
 
 def main() -> None:
@@ -313,6 +324,10 @@ def main() -> None:
         **{k: chaos[k] for k in ("rounds", "rounds_committed", "rounds_lost", "rounds_repeated")},
         **{k: chaos[k] for k in ("hash_mismatches", "ledger_audit", "restarts", "faults")},
         "longest_stall_s": max(stalls, default=0.0),
+        # a stall includes the round's own time (the slow site's transfers make it seconds):
+        # what a fault added is the stall less a typical round of this run
+        "typical_round_s": round(chaos["typical_round_s"], 2),
+        "longest_stall_over_round_s": round(max(stalls, default=0.0) - chaos["typical_round_s"], 2),
         "coordinator_restarts": chaos["coordinator_restarts"],
         "final_eval_loss": loss,
         "fault_free_eval_loss": calm_loss,

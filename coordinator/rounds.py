@@ -130,11 +130,12 @@ class RoundController:
         self,
         cfg: RunConfig,
         initial: torch.Tensor | None,
-        shard_sizes: list[int],
+        shard_sizes: list[int] | None,
         run_dir: Path | None = None,
         sealer: Sealer | None = None,
     ) -> None:
-        """``initial`` is θ_0; it may be None only when ``run_dir`` holds a snapshot to resume."""
+        """``initial`` is θ_0 and ``shard_sizes`` the data's; either may be None only when
+        ``run_dir`` holds a snapshot to resume (it holds θ and the ledger)."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.sealer = sealer
@@ -143,11 +144,14 @@ class RoundController:
             run_dir.mkdir(parents=True, exist_ok=True)
             check_run_config(run_dir, cfg)  # before the state: a changed run_id is named as such
             state = load_state(run_dir / STATE_FILE, sealer)
-        if initial is None and state is None:
-            raise StateError(f"no saved state in {run_dir} to resume, and no initial parameters given")
+        if (initial is None or shard_sizes is None) and state is None:
+            raise StateError(f"no saved state in {run_dir} to resume, and no θ_0 or data given")
         theta = initial if initial is not None else state["theta"]  # type: ignore[index]
-        self.shard_sizes = list(shard_sizes)
-        self.ledger = DataLedger.create(self.shard_sizes, cfg.sites)
+        self.ledger = (  # on a resume, restore() puts the snapshot's ledger in its place
+            DataLedger.create(shard_sizes, cfg.sites)
+            if shard_sizes is not None
+            else DataLedger.from_state_dict(state["ledger"])  # type: ignore[index]
+        )
         self.theta = theta if initial is None else theta.detach().to(torch.float32).clone()  # loaded: ours
         self.num_params = self.theta.numel()
         self.round = 0

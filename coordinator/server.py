@@ -7,7 +7,8 @@ import gc
 import logging
 import signal
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -20,6 +21,7 @@ from geodiloco import logs
 from geodiloco.builders import build_data, build_model
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.durable import STATE_FILE, STATE_LABEL
+from geodiloco.coordinator.fragments import FragmentedController, open_fragments
 from geodiloco.coordinator.journal import Journal
 from geodiloco.coordinator.metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
@@ -50,7 +52,10 @@ SERVER_OPTIONS = [
 OUTER_SYNC = outer_sync_pb2.DESCRIPTOR.services_by_name["OuterSync"]
 ADMIN = admin_pb2.DESCRIPTOR.services_by_name["Admin"]
 SERVICE_NAMES = (OUTER_SYNC.full_name, ADMIN.full_name)
-TICK_S = 0.5
+# How often leases and deadlines are checked: a lost site is noticed at most this late, and
+# the healthy ones wait that much longer for the round to close without it. A tick walks the
+# sites only, so it stays cheap at any model size.
+TICK_S = 0.1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,6 +73,7 @@ class ServeOptions:
     insecure: bool = False
     metrics_port: int | None = None  # Prometheus /metrics on ``host`` (0 picks a free port)
     health_port: int | None = None  # plaintext grpc.health.v1 only, for probes that cannot do mTLS
+    started: float | None = None  # time.monotonic() when the process began (the CLI's import)
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "health_port"):
@@ -104,6 +110,25 @@ def initial_parameters(cfg: RunConfig) -> torch.Tensor:
     return flatten_parameters(build_model(cfg))
 
 
+@dataclass(slots=True)
+class StartupClock:
+    """Seconds spent in each phase of a coordinator's start. A restart must serve again within
+    a few seconds (sites wait meanwhile), so the start logs where its time went."""
+
+    last: float
+    phases: list[tuple[str, float]] = field(default_factory=list)
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.phases.append((phase, now - self.last))
+        self.last = now
+
+    def summary(self) -> str:
+        total = sum(seconds for _, seconds in self.phases)
+        parts = ", ".join(f"{phase} {seconds:.2f}s" for phase, seconds in self.phases)
+        return f"{total:.2f}s ({parts})"
+
+
 class BindError(OSError):
     """The coordinator could not listen on its address."""
 
@@ -122,6 +147,7 @@ class RunningServer:
     journal: Journal
     health_server: grpc.aio.Server | None = None
     health_port: int = 0
+    fragments: FragmentedController | None = None  # a run of P > 1 fragments (controller: the last)
 
     def request_stop(self, grace_s: float | None = None) -> None:
         if grace_s is not None:
@@ -132,8 +158,9 @@ class RunningServer:
         """NOT_SERVING first (probes and balancers stop sending work), then let a commit in
         progress become durable, then give open calls ``grace_s`` to finish."""
         await self.health.enter_graceful_shutdown()
-        await self.controller.settle()
-        await self.controller.checkpoint()  # the next start replays nothing
+        run = self.fragments or FragmentedController.single(self.controller)
+        await run.settle()
+        await run.checkpoint()  # the next start replays nothing
         log.info(
             "stopping: %d rounds committed%s; grace %.1fs for open calls",
             self.controller.round,
@@ -159,9 +186,16 @@ class RunningServer:
 
 
 async def start_server(
-    controller: RoundController, host: str, port: int, *, security: ServerSecurity, grace_s: float = 5.0
+    controller: RoundController,
+    host: str,
+    port: int,
+    *,
+    security: ServerSecurity,
+    grace_s: float = 5.0,
+    fragments: FragmentedController | None = None,
 ) -> RunningServer:
-    """Build and start the grpc.aio server with OuterSync, Admin, health and reflection."""
+    """Build and start the grpc.aio server with OuterSync, Admin, health and reflection.
+    ``fragments``: a run of P > 1 fragments, whose last one is ``controller``."""
     limit = controller.cfg.limits.max_message_bytes
     # A message over the limit is refused by gRPC (RESOURCE_EXHAUSTED) before it is buffered.
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
@@ -174,10 +208,11 @@ async def start_server(
         asyncio.Event(),
         grace_s,
         CoordinatorMetrics(controller),
-        Journal(controller.run_dir),
+        Journal(controller.run_dir if fragments is None else fragments.run_dir),
+        fragments=fragments,
     )
-    admin = AdminServicer(controller, running.request_stop, security)
-    outer_sync = OuterSyncServicer(controller, security, running.metrics, running.journal)
+    admin = AdminServicer(controller, running.request_stop, security, fragments)
+    outer_sync = OuterSyncServicer(controller, security, running.metrics, running.journal, fragments)
     server.add_generic_rpc_handlers(
         (
             strict_service(OUTER_SYNC, outer_sync),
@@ -220,7 +255,7 @@ async def _tick(running: RunningServer) -> None:
     """One controller tick; sites whose lease ran out in it are counted and journaled."""
     controller = running.controller
     joined = [name for name, s in controller.sites.items() if s.state == "joined"]
-    await controller.tick()
+    await (running.fragments or controller).tick()
     for name in joined:
         if controller.sites[name].state == "lost":
             running.metrics.lease_expiries.labels(site=name).inc()
@@ -236,33 +271,51 @@ async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
     # Intake and commits run in worker threads; a short switch interval hands the GIL back to
     # the event loop sooner, so heartbeats and pulls are answered while they work.
     sys.setswitchinterval(0.001)
+    clock = StartupClock(time.monotonic())
+    if opts.started is not None:
+        clock.last = opts.started
+        clock.mark("imports")
     # before anything in the run directory is read: one coordinator per run directory
     lock = lock_run_dir(opts.run_dir) if opts.run_dir is not None else None
     try:
-        await _serve_locked(cfg, opts)
+        await _serve_locked(cfg, opts, clock)
     finally:
         if lock is not None:
             lock.release()
 
 
-async def _serve_locked(cfg: RunConfig, opts: ServeOptions) -> None:
+async def _serve_locked(cfg: RunConfig, opts: ServeOptions, clock: StartupClock) -> None:
     security = opts.security(cfg.run_id)
     sealer = security.keyring.at_rest(STATE_LABEL) if security.keyring else None  # state sealed at rest
     resumes = _resumes(opts.run_dir)
-    controller = RoundController(
-        cfg,
-        None if resumes else initial_parameters(cfg),  # θ_0 unless a snapshot holds θ
-        data_shard_sizes(cfg),
-        opts.run_dir,
-        sealer,
-    )
-    if not resumes:
+    # A resume builds neither the model nor the data: θ and the ledger (with its shard sizes)
+    # come from the snapshot, so a restart costs the state's size, not the workload's.
+    fragments = None
+    if cfg.outer.fragments > 1:  # streaming: one round controller per fragment
+        fragments = await open_fragments(
+            cfg, opts.run_dir, sealer, lambda: data_shard_sizes(cfg), lambda: build_model(cfg)
+        )
+        controller = fragments.primary
+        clock.mark("fragments")
+    else:
+        initial: torch.Tensor | None = None
+        shard_sizes: list[int] | None = None
+        if not resumes:
+            initial, shard_sizes = initial_parameters(cfg), data_shard_sizes(cfg)
+            clock.mark("model and data")
+        controller = RoundController(cfg, initial, shard_sizes, opts.run_dir, sealer)
+        clock.mark("state and replay" if resumes else "controller")
+    if not resumes and fragments is None:
         await controller.checkpoint()  # θ_0 on disk: a restart reads it instead of rebuilding the model
+        clock.mark("first snapshot")
     # Everything built so far lives as long as the process: out of the collector's sight, a full
     # collection no longer walks torch's hundreds of thousands of objects on the event loop.
     gc.freeze()
     logs.bind(run=cfg.run_id, round=lambda: controller.round)
-    running = await start_server(controller, opts.host, opts.port, security=security, grace_s=opts.grace_s)
+    running = await start_server(
+        controller, opts.host, opts.port, security=security, grace_s=opts.grace_s, fragments=fragments
+    )
+    clock.mark("server start")
     metrics: MetricsServer | None = None
     try:
         if opts.health_port is not None:
@@ -277,16 +330,17 @@ async def _serve_locked(cfg: RunConfig, opts: ServeOptions) -> None:
         await running.server.stop(0)
         raise
     try:
-        await _serve_until_stopped(cfg, opts, running, security)
+        await _serve_until_stopped(cfg, opts, running, security, clock)
     finally:
         if metrics is not None:
             metrics.close()
 
 
 async def _serve_until_stopped(
-    cfg: RunConfig, opts: ServeOptions, running: RunningServer, security: ServerSecurity
+    cfg: RunConfig, opts: ServeOptions, running: RunningServer, security: ServerSecurity, clock: StartupClock
 ) -> None:
     controller = running.controller
+    log.info("ready to serve at round %d after %s", controller.round, clock.summary())
     log.info(
         "coordinator for run %s serving on %s:%d, %s, payloads %s (%d parameters, sites: %s)",
         cfg.run_id,

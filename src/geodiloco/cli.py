@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from geodiloco.security.identity import Identity
     from geodiloco.security.tls import TlsFiles
 
+STARTED = time.monotonic()  # a restarted coordinator logs its start from here (imports included)
 log = logging.getLogger("geodiloco")
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -368,6 +370,7 @@ def _serve(args: argparse.Namespace) -> int:
             insecure=args.insecure,
             metrics_port=args.metrics_port,
             health_port=args.health_port,
+            started=STARTED,
         )
         opts.security(cfg.run_id)  # reads the secret now, so a bad file stops us before serving
     except ValueError as exc:

@@ -24,6 +24,8 @@ def test_chaos_smoke(run_benchmark: Callable[..., Any]) -> None:
         "num_params",
         "slow_link_mbps",
         "rounds_repeated",
+        "typical_round_s",
+        "longest_stall_over_round_s",
         "chaos_wall_s",
         "fault_free_wall_s",
     ):

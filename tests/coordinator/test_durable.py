@@ -112,3 +112,15 @@ def test_serve_refuses_a_sealed_state_without_the_secret_in_one_line(
     err = capsys.readouterr().err
     assert "is sealed: start the coordinator with the run's --run-secret" in err
     assert "Traceback" not in err
+
+
+def test_resume_needs_neither_theta_nor_the_data(tmp_path: Path) -> None:
+    """A restart builds no model and reads no corpus: θ and the ledger come from the snapshot."""
+    first = controller(tmp_path, None)
+    asyncio.run(commit_round(first, 0.5))
+    resumed = RoundController(first.cfg, None, None, tmp_path)
+    assert resumed.round == first.round == 1
+    assert torch.equal(resumed.theta, first.theta)
+    assert resumed.ledger.state_dict() == first.ledger.state_dict()
+    with pytest.raises(StateError, match="no saved state"):
+        RoundController(first.cfg, None, None, tmp_path / "empty")

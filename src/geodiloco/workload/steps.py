@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from geodiloco.workload.loss import Batch, LossFn, model_loss
 
@@ -117,6 +116,10 @@ def squared_grad_norm(grads: list[torch.Tensor], device: torch.device) -> torch.
     """The squared norm of ``grads`` together (sharded ones over their mesh), fp32 on ``device``."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
+    # imported here: torch.distributed.tensor costs seconds to import, and the coordinator, which
+    # reads the workload's config, must restart in a few
+    from torch.distributed.tensor import DTensor
+
     squares = []
     for g in grads:
         norm = torch.linalg.vector_norm(g, dtype=torch.float32)
