@@ -65,6 +65,7 @@ from geodiloco.workload.steps import evaluate_batches, inner_step
 
 SITES = ("site-a", "site-b")
 SLOWER = 4  # the second link is this much slower than the sized one
+MODES = ("blocking", "streaming")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -410,6 +411,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rtt-ms", type=float, default=100.0)
     parser.add_argument("--keep", type=Path, help="keep the processes' logs and timelines here")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument(
+        "--modes", nargs="+", choices=MODES, default=list(MODES), help="rows to run (default both)"
+    )
+    parser.add_argument("--sized-only", action="store_true", help="leave out the 4x slower link")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, 2 rounds of 4 steps, one link")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the processes it started, too
@@ -439,8 +444,8 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         rows = []
-        links = (sized,) if args.smoke else (sized, sized / SLOWER)
-        for i, (mbps, mode) in enumerate(itertools.product(links, ("blocking", "streaming"))):
+        links = (sized,) if args.smoke or args.sized_only else (sized, sized / SLOWER)
+        for i, (mbps, mode) in enumerate(itertools.product(links, args.modes)):
             row = run_row(settings, root / f"{i}-{mode}", mode, mbps, args.timeout)
             # the machine's load drifts: each row against no-sync runs just before and just after it
             alone.append(run_alone(settings, root / f"no-sync-{i + 1}", args.timeout))
