@@ -320,10 +320,16 @@ def run_alone(settings: Settings, workdir: Path, timeout_s: float) -> list[Timel
 
 
 def hashes_agree(run_dir: Path, rounds: int) -> bool:
-    """Every site reported every round's hash and each matched; the round log chains; every
-    round had both sites."""
-    log = [json.loads(line) for line in (run_dir / "rounds.jsonl").read_text().splitlines()]
-    reports = [json.loads(line) for line in (run_dir / "reports.jsonl").read_text().splitlines()]
+    """Every site reported every round's hash of every fragment and each matched; each round log
+    chains; every round had both sites. (A run of P > 1 fragments keeps one log per fragment, in
+    ``fragment-N/``.)"""
+    logs = [run_dir] if (run_dir / "rounds.jsonl").exists() else sorted(run_dir.glob("fragment-*"))
+    return bool(logs) and all(_fragment_agrees(d, rounds) for d in logs)
+
+
+def _fragment_agrees(log_dir: Path, rounds: int) -> bool:
+    log = [json.loads(line) for line in (log_dir / "rounds.jsonl").read_text().splitlines()]
+    reports = [json.loads(line) for line in (log_dir / "reports.jsonl").read_text().splitlines()]
     chained = all(b["base_hash"] == a["state_hash"] for a, b in itertools.pairwise(log))
     complete = [r["round"] for r in log] == list(range(rounds)) and all(
         sorted(r["contributors"]) == sorted(SITES) for r in log
