@@ -46,7 +46,7 @@ MODES = [  # (mode, fragments P, overlap_steps τ, mix_alpha α)
     ("streaming", 4, 1, 0.5),
     ("streaming", 4, 1, 0.0),
 ]
-SMOKE_MODES = [MODES[0], MODES[2]]
+SMOKE_MODES = [MODES[0], MODES[3]]  # blocking; P=2, τ=1
 
 
 def base_config(smoke: bool, rounds: int, steps: int) -> dict[str, Any]:

@@ -65,6 +65,7 @@ from geodiloco.workload.steps import evaluate_batches, inner_step
 
 SITES = ("site-a", "site-b")
 SLOWER = 4  # the second link is this much slower than the sized one
+MODES = ("blocking", "streaming")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -319,10 +320,16 @@ def run_alone(settings: Settings, workdir: Path, timeout_s: float) -> list[Timel
 
 
 def hashes_agree(run_dir: Path, rounds: int) -> bool:
-    """Every site reported every round's hash and each matched; the round log chains; every
-    round had both sites."""
-    log = [json.loads(line) for line in (run_dir / "rounds.jsonl").read_text().splitlines()]
-    reports = [json.loads(line) for line in (run_dir / "reports.jsonl").read_text().splitlines()]
+    """Every site reported every round's hash of every fragment and each matched; each round log
+    chains; every round had both sites. (A run of P > 1 fragments keeps one log per fragment, in
+    ``fragment-N/``.)"""
+    logs = [run_dir] if (run_dir / "rounds.jsonl").exists() else sorted(run_dir.glob("fragment-*"))
+    return bool(logs) and all(_fragment_agrees(d, rounds) for d in logs)
+
+
+def _fragment_agrees(log_dir: Path, rounds: int) -> bool:
+    log = [json.loads(line) for line in (log_dir / "rounds.jsonl").read_text().splitlines()]
+    reports = [json.loads(line) for line in (log_dir / "reports.jsonl").read_text().splitlines()]
     chained = all(b["base_hash"] == a["state_hash"] for a, b in itertools.pairwise(log))
     complete = [r["round"] for r in log] == list(range(rounds)) and all(
         sorted(r["contributors"]) == sorted(SITES) for r in log
@@ -410,6 +417,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rtt-ms", type=float, default=100.0)
     parser.add_argument("--keep", type=Path, help="keep the processes' logs and timelines here")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument(
+        "--modes", nargs="+", choices=MODES, default=list(MODES), help="rows to run (default both)"
+    )
+    parser.add_argument("--sized-only", action="store_true", help="leave out the 4x slower link")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, 2 rounds of 4 steps, one link")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the processes it started, too
@@ -439,8 +450,8 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         rows = []
-        links = (sized,) if args.smoke else (sized, sized / SLOWER)
-        for i, (mbps, mode) in enumerate(itertools.product(links, ("blocking", "streaming"))):
+        links = (sized,) if args.smoke or args.sized_only else (sized, sized / SLOWER)
+        for i, (mbps, mode) in enumerate(itertools.product(links, args.modes)):
             row = run_row(settings, root / f"{i}-{mode}", mode, mbps, args.timeout)
             # the machine's load drifts: each row against no-sync runs just before and just after it
             alone.append(run_alone(settings, root / f"no-sync-{i + 1}", args.timeout))

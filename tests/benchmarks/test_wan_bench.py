@@ -22,7 +22,7 @@ ROW_KEYS = {
 
 
 def test_wan_smoke(run_benchmark: Callable[..., Any]) -> None:
-    r = run_benchmark("wan.py", timeout_s=600)
+    r = run_benchmark("wan.py", timeout_s=900)  # 8 minutes measured on a shared, loaded 2-core machine
     assert r["round_push_bytes"] > 0 and r["round_compute_s"] > 0
     assert len(r["no_sync_tokens_per_s"]) == 3 and all(t > 0 for t in r["no_sync_tokens_per_s"])
     rows = r["rows"]
