@@ -1,7 +1,12 @@
-"""The GPU check's two runs (scripts/gpu_check.sh runs them; each prints one JSON line).
+"""The GPU check's runs (scripts/gpu_check.sh runs them; each prints one JSON line per run).
 
 ``agree``: a coordinator and two real sites, one rank on the GPU (``--mixed-precision`` bf16 or
 fp8) and one on the CPU (fp32); passes when both sites report the coordinator's hash every round.
+
+``layouts``: a site of two GPU ranks in pipeline stages (``pp=2``, fp32: stages take no mixed
+precision yet), then one of two GPU ranks splitting a mixture of experts (``ep``); each passes
+when the site reports the coordinator's (CPU-computed) hash every round. Fewer than two GPUs:
+said, not failed.
 
 ``throughput``: one site rank on the GPU trains a ~100M-parameter reference model against a real
 coordinator; reports inner tokens/s without the outer sync (inner steps only) and with it (wall
@@ -30,9 +35,12 @@ from geodiloco.status import fetch_status, request_shutdown
 MODEL_100M = {"n_layer": 14, "n_head": 12, "d_model": 768, "seq_len": 256}
 MODEL_SMOKE = {"n_layer": 1, "n_head": 2, "d_model": 32, "seq_len": 16}
 MODEL_AGREE = {"n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 64}  # fp8 needs dims % 16
+MODEL_SMOKE_STAGES = {**MODEL_SMOKE, "n_layer": 2}  # a block per stage
+# layout, ranks, precision (None: the run's), model keys added (ep splits a mixture of experts)
+LAYOUTS = [("pp=2", 2, "fp32", {}), ("ep", 2, None, {"experts": 4, "top_k": 2})]
 
 
-def run_config(sites: list[str], rounds: int, steps: int, model: dict[str, int], batch: int) -> RunConfig:
+def run_config(sites: list[str], rounds: int, steps: int, model: dict[str, Any], batch: int) -> RunConfig:
     return RunConfig.from_dict(
         {
             "run_id": "gpu-check",
@@ -63,17 +71,18 @@ def start_coordinator(cfg: RunConfig, workdir: Path) -> tuple[Any, str]:
     return proc, f"127.0.0.1:{port_file.read_text()}"
 
 
-def agree(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    sites = {"site-gpu": (args.device, args.precision), "site-cpu": ("cpu", "fp32")}
-    cfg = run_config(list(sites), args.rounds, args.steps, MODEL_SMOKE if args.smoke else MODEL_AGREE, 8)
+def train_sites(
+    cfg: RunConfig, sites: dict[str, list[str]], workdir: Path, timeout: float
+) -> tuple[bool, list[dict[str, Any]]]:
+    """A coordinator and ``sites`` (name: `site run` flags) through the run; whether every site
+    ended well and reported the coordinator's hash every round, and each round's reports."""
     coordinator, target = start_coordinator(cfg, workdir)
     procs = {}
     try:
-        for name, (device, precision) in sites.items():
-            run = ["site", "run", "--name", name, "--coordinator", target, "--insecure", "--nproc", "1"]
-            run += ["--device", device, "--mixed-precision", precision]
+        for name, flags in sites.items():
+            run = ["site", "run", "--name", name, "--coordinator", target, "--insecure", *flags]
             procs[name] = spawn_geodiloco(run, workdir / f"{name}.log")
-        codes = {name: proc.wait(timeout=args.timeout) for name, proc in procs.items()}
+        codes = {name: proc.wait(timeout=timeout) for name, proc in procs.items()}
         status = fetch_status(target, None)
         rounds = [
             {"round": h.round, "hash_reports": h.hash_reports, "hashes_agree": h.hashes_agree}
@@ -87,13 +96,42 @@ def agree(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 kill_tree(proc)
     ok = (
         all(code == 0 for code in codes.values())
-        and len(rounds) == args.rounds
-        and all(r["hash_reports"] == 2 and r["hashes_agree"] for r in rounds)
+        and len(rounds) == cfg.rounds
+        and all(r["hash_reports"] == len(sites) and r["hashes_agree"] for r in rounds)
     )
     for name, code in codes.items():
         if code != 0:
             print((workdir / f"{name}.log").read_text()[-3000:], file=sys.stderr)
+    return ok, rounds
+
+
+def agree(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    sites = {"site-gpu": (args.device, args.precision), "site-cpu": ("cpu", "fp32")}
+    cfg = run_config(list(sites), args.rounds, args.steps, MODEL_SMOKE if args.smoke else MODEL_AGREE, 8)
+    flags = {name: ["--nproc", "1", "--device", d, "--mixed-precision", p] for name, (d, p) in sites.items()}
+    ok, rounds = train_sites(cfg, flags, workdir, args.timeout)
     return {"check": "agree", "device": args.device, "precision": args.precision, "ok": ok, "rounds": rounds}
+
+
+def layouts(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    results = []
+    for layout, ranks, fixed, model_keys in LAYOUTS:
+        precision = fixed or args.precision
+        result = {"check": "layout", "layout": layout, "device": args.device, "ranks": ranks}
+        result["precision"] = precision
+        gpus = torch.cuda.device_count() if args.device == "cuda" else ranks
+        if gpus < ranks:  # said, not failed: each rank of a site needs a GPU of its own
+            results.append({**result, "skipped": f"{layout} needs {ranks} GPUs, {gpus} visible"})
+            continue
+        model = {**(MODEL_SMOKE_STAGES if args.smoke else MODEL_AGREE), **model_keys}
+        cfg = run_config(["site-layout"], args.rounds, args.steps, model, 8)
+        flags = ["--nproc", str(ranks), "--layout", layout, "--device", args.device]
+        flags += ["--mixed-precision", precision]
+        run_dir = workdir / layout.replace("=", "")
+        run_dir.mkdir()
+        ok, rounds = train_sites(cfg, {"site-layout": flags}, run_dir, args.timeout)
+        results.append({**result, "ok": ok, "rounds": rounds})
+    return results
 
 
 def throughput(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -152,7 +190,7 @@ def throughput(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("check", choices=("agree", "throughput"))
+    parser.add_argument("check", choices=("agree", "layouts", "throughput"))
     parser.add_argument("--device", default="cuda", help="the GPU site's device (cpu: test the CPU side)")
     parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp8"))
     parser.add_argument("--rounds", type=int, default=3)
@@ -168,10 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         if problem is not None:  # said, not failed: fp8 runs only where the hardware has it
             print(json.dumps({"check": "agree", "precision": "fp8", "skipped": problem}))
             return 0
+    checks = {"agree": lambda w: [agree(args, w)], "layouts": lambda w: layouts(args, w)}
     with tempfile.TemporaryDirectory(prefix="geodiloco-gpu-check-") as tmp:
-        result = agree(args, Path(tmp)) if args.check == "agree" else throughput(args, Path(tmp))
-    print(json.dumps(result))
-    return 0 if result.get("ok", True) else 1
+        results = checks.get(args.check, lambda w: [throughput(args, w)])(Path(tmp))
+    for result in results:
+        print(json.dumps(result))
+    return 0 if all(r.get("ok", True) for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import subprocess
 import threading
@@ -28,6 +29,7 @@ from geodiloco.coordinator.server import (
 from geodiloco.processes import kill_tree as kill_tree  # re-exported for the tests
 from geodiloco.processes import spawn_geodiloco as spawn_geodiloco
 from geodiloco.security.policy import ServerSecurity
+from geodiloco.status import fetch_status, request_shutdown
 from geodiloco.workload.data import DataRange
 
 T = TypeVar("T")
@@ -151,6 +153,62 @@ def start_coordinator_process(cfg: RunConfig, workdir: Path) -> tuple[subprocess
             raise RuntimeError((workdir / "coordinator.log").read_text()[-3000:])
         time.sleep(0.1)
     return proc, f"127.0.0.1:{port_file.read_text()}"
+
+
+def site_args(name: str, target: str, *extra: str) -> list[str]:
+    """`geodiloco site run` arguments of a plaintext loopback site on the CPU."""
+    return ["site", "run", "--name", name, "--coordinator", target, "--insecure", "--device", "cpu", *extra]
+
+
+class SitesRun:
+    """A coordinator process and `geodiloco site run` processes on loopback: the set-up of the
+    integration tests. Each process logs to ``workdir/<key>.log``; on exit, whatever happened,
+    every process still running is killed with its children (torchrun and the ranks)."""
+
+    def __init__(self, cfg: RunConfig, workdir: Path) -> None:
+        self.cfg, self.workdir = cfg, workdir
+        self.coordinator, self.target = start_coordinator_process(cfg, workdir)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def log(self, key: str) -> Path:
+        return self.workdir / f"{key}.log"
+
+    def start(self, name: str, *extra: str, key: str = "") -> subprocess.Popen[bytes]:
+        """Site ``name`` (``site_args`` and ``extra``), known here as ``key`` (default: its name)."""
+        key = key or name
+        self.procs[key] = spawn_geodiloco(site_args(name, self.target, *extra), self.log(key))
+        return self.procs[key]
+
+    def wait(self, *keys: str, timeout: float = 400) -> None:
+        """Until these sites (all when none named) end; any that fails fails the test."""
+        for key in keys or tuple(self.procs):
+            assert self.procs[key].wait(timeout=timeout) == 0, self.log(key).read_text()[-3000:]
+
+    def status(self) -> Any:
+        return fetch_status(self.target, None)
+
+    def finish(self) -> None:
+        """Every data window consumed exactly once, then a graceful stop of the coordinator."""
+        assert ledger_problems(round_log(self.workdir / "coord"), self.cfg) == []
+        request_shutdown(self.target, None)
+        assert self.coordinator.wait(timeout=30) == 0
+
+    def __enter__(self) -> SitesRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in (*self.procs.values(), self.coordinator):
+            if proc.poll() is None:
+                kill_tree(proc)
+
+
+def eval_losses(log: str) -> list[float]:
+    """The eval slice losses a site's log reports, one per round; each must be finite."""
+    losses = [
+        float(line.rsplit("eval slice loss ", 1)[1]) for line in log.splitlines() if "eval slice loss" in line
+    ]
+    assert all(math.isfinite(v) for v in losses), losses
+    return losses
 
 
 def wait_for_checkpoint(

@@ -71,7 +71,8 @@ def _spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=worker_env())
 
 
-def _wait_for_port(path: Path, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 60.0) -> int:
+def _wait_for_port(path: Path, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 180.0) -> int:
+    # its start-up (imports, the workload's dry step) took over a minute on a loaded 2-core machine
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if path.exists():

@@ -1,5 +1,6 @@
 """Graceful stop of a site: SIGTERM to `geodiloco site run` (as systemd, Docker and Kubernetes
-send it) makes its torchrun ranks stop together at a step boundary and Leave the run."""
+send it) makes its torchrun ranks stop together at a step boundary, checkpoint mid-round and
+Leave the run; restarted with another layout, the site resumes at that step."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from geodiloco.status import fetch_status
 from helpers import CoordinatorThread, free_port, spawn_geodiloco, tiny_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _rounds_done(port: int) -> float:
@@ -28,69 +29,48 @@ def _rounds_done(port: int) -> float:
     return 0.0
 
 
-def test_sigterm_makes_a_site_leave_instead_of_timing_out(tmp_path: Path) -> None:
-    # a long run of site-a alone, so it is mid-run when stopped
-    cfg = tiny_config(rounds=10_000, sites=["site-a"], lease_s=600.0)
-    metrics_port = free_port()
-    with CoordinatorThread(cfg) as coordinator:
-        log = tmp_path / "site-a.log"
-        site = spawn_geodiloco(
-            [
-                *("site", "run", "--name", "site-a", "--coordinator", coordinator.target),
-                *("--nproc", "2", "--insecure", "--metrics-port", str(metrics_port)),
-            ],
-            log,
-        )
-        try:
-            deadline = time.monotonic() + 240
-            while True:
-                try:
-                    if _rounds_done(metrics_port) >= 2:
-                        break
-                except OSError:
-                    pass  # not serving yet
-                assert site.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.2)
-            site.send_signal(signal.SIGTERM)
-            rc = site.wait(timeout=120)
-        finally:
-            if site.poll() is None:
-                site.kill()
-        status = fetch_status(coordinator.target, None)
-        text = log.read_text()
-    record = next(s for s in status.sites if s.site == "site-a")
-    # it left (a lease of 600 s cannot have lapsed): the Leave RPC reached the coordinator
-    assert record.state == "left", text[-3000:]
-    assert not status.finished and status.round >= 2
-    # every contribution it made was committed: no half-pushed round was left behind
-    assert record.accepted == status.round and record.rejected == 0 and record.hash_ok
-    assert "SIGTERM: the ranks leave after the current step" in text and "stop requested" in text
-    assert rc == 0, text[-3000:]
-
-
-def test_sigterm_checkpoints_mid_round_and_the_site_resumes_there(tmp_path: Path) -> None:
-    # site-a alone carries the run; while it is away the round stays open
+def test_sigterm_leaves_with_a_mid_round_checkpoint_and_the_site_resumes_there(tmp_path: Path) -> None:
+    # site-a alone carries the run (a long one, so it is mid-run when stopped); while it is
+    # away the round stays open, and a lease of 600 s cannot lapse
     cfg = tiny_config(
         rounds=10_000, sites=["site-a"], lease_s=600.0, inner__steps_per_round=40, inner__lr=5e-4
     )
     ckpt = tmp_path / "ckpt"
+    metrics_port = free_port()
     with CoordinatorThread(cfg) as coordinator:
         base = ["site", "run", "--name", "site-a", "--coordinator", coordinator.target, "--insecure"]
-        first = spawn_geodiloco([*base, "--nproc", "2", "--checkpoint-dir", str(ckpt)], tmp_path / "a.log")
+        first = spawn_geodiloco(
+            [*base, "--nproc", "2", "--checkpoint-dir", str(ckpt), "--metrics-port", str(metrics_port)],
+            tmp_path / "a.log",
+        )
         try:
             deadline = time.monotonic() + 240
-            while coordinator.controller.round < 1:  # one round committed, the next under way
+            while True:  # one round committed (as the site's metrics count it), the next under way
+                try:
+                    if _rounds_done(metrics_port) >= 1:
+                        break
+                except OSError:
+                    pass  # not serving yet
                 assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "a.log").read_text()[
                     -3000:
                 ]
                 time.sleep(0.2)
             time.sleep(1.0)
             first.send_signal(signal.SIGTERM)
-            assert first.wait(timeout=120) == 0, (tmp_path / "a.log").read_text()[-3000:]
+            rc = first.wait(timeout=120)
         finally:
             if first.poll() is None:
                 first.kill()
+        text = (tmp_path / "a.log").read_text()
+        assert rc == 0, text[-3000:]
+        status = fetch_status(coordinator.target, None)
+        record = next(s for s in status.sites if s.site == "site-a")
+        # it left (the lease cannot have lapsed): the Leave RPC reached the coordinator
+        assert record.state == "left", text[-3000:]
+        assert not status.finished and status.round >= 1
+        # every contribution it made was committed: no half-pushed round was left behind
+        assert record.accepted == status.round and record.rejected == 0 and record.hash_ok
+        assert "SIGTERM: the ranks leave after the current step" in text and "stop requested" in text
         saved = sorted(ckpt.glob("round-*/site.json"))
         assert len(saved) == 1, (tmp_path / "a.log").read_text()[-3000:]
         meta = json.loads(saved[0].read_text())

@@ -18,17 +18,7 @@ from pathlib import Path
 import pytest
 
 from geodiloco.site.checkpoint import read_meta
-from geodiloco.status import fetch_status, request_shutdown
-from helpers import (
-    free_port,
-    kill_tree,
-    ledger_problems,
-    round_log,
-    spawn_geodiloco,
-    start_coordinator_process,
-    tiny_config,
-    wait_for_checkpoint,
-)
+from helpers import SitesRun, free_port, kill_tree, tiny_config, wait_for_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -36,16 +26,11 @@ SITES = ["site-multi", "site-single"]
 ROUNDS = 6
 
 
-def site_args(name: str, target: str, *extra: str) -> list[str]:
-    return ["site", "run", "--name", name, "--coordinator", target, "--insecure", "--device", "cpu", *extra]
-
-
 def test_two_node_site_agrees_fails_as_a_whole_and_resumes_on_one_node(tmp_path: Path) -> None:
     # min_sites = both: the run waits for the multi-node site to come back rather than finishing without it
     cfg = tiny_config(
         rounds=ROUNDS, sites=SITES, min_sites=len(SITES), lease_s=4.0, inner__steps_per_round=16
     )
-    coordinator, target = start_coordinator_process(cfg, tmp_path)
     ckpt, rdzv = tmp_path / "ckpt", f"127.0.0.1:{free_port()}"
     multi = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
 
@@ -54,46 +39,34 @@ def test_two_node_site_agrees_fails_as_a_whole_and_resumes_on_one_node(tmp_path:
 
     layout = ["--layout", "fsdp+tp"]
 
-    logs = {k: tmp_path / f"{k}.log" for k in ("node0", "node1", "single", "again")}
-    procs = {
-        "single": spawn_geodiloco(site_args("site-single", target, "--nproc", "2"), logs["single"]),
-        "node0": spawn_geodiloco(site_args("site-multi", target, *node(0), *layout, *multi), logs["node0"]),
-        "node1": spawn_geodiloco(site_args("site-multi", target, *node(1), *layout, *multi), logs["node1"]),
-    }
-    try:
-        wait_for_checkpoint(ckpt, 2, {procs[n]: logs[n] for n in ("node0", "node1")})
-        both = logs["node0"].read_text() + logs["node1"].read_text()
+    with SitesRun(cfg, tmp_path) as run:
+        run.start("site-single", "--nproc", "2", key="single")
+        run.start("site-multi", *node(0), *layout, *multi, key="node0")
+        run.start("site-multi", *node(1), *layout, *multi, key="node1")
+        wait_for_checkpoint(ckpt, 2, {run.procs[n]: run.log(n) for n in ("node0", "node1")})
+        both = run.log("node0").read_text() + run.log("node1").read_text()
         assert "layout: fsdp+tp over 4 ranks" in both  # one group of both nodes' ranks
-        kill_tree(procs["node1"])  # the machine of node 1 dies
-        assert procs["node0"].wait(timeout=180) != 0, "node 0 went on without node 1"
+        kill_tree(run.procs["node1"])  # the machine of node 1 dies
+        assert run.procs["node0"].wait(timeout=180) != 0, "node 0 went on without node 1"
         latest = sorted(ckpt.glob("round-*/site.json"))[-1].parent
         saved = read_meta(latest)  # what the site will come back from
         assert saved.ranks == 4 and saved.layout == "fsdp+tp"
 
-        procs["multi"] = spawn_geodiloco(  # back on one node: 2 ranks, from the 4-rank checkpoint
-            site_args("site-multi", target, "--nproc", "2", "--layout", "fsdp", *multi), logs["again"]
-        )
-        for name in ("single", "multi"):
-            log = logs["again" if name == "multi" else name]
-            assert procs[name].wait(timeout=400) == 0, log.read_text()[-3000:]
-        assert "resumed from round-0000" in logs["again"].read_text()
-        assert "4 ranks before, 2 now" in logs["again"].read_text()
+        # back on one node: 2 ranks, from the 4-rank checkpoint
+        run.start("site-multi", "--nproc", "2", "--layout", "fsdp", *multi, key="again")
+        run.wait("single", "again")
+        again = run.log("again").read_text()
+        assert "resumed from round-0000" in again and "4 ranks before, 2 now" in again
         resumed = json.loads((ckpt / "resumed.json").read_text())
         assert resumed["checkpoint"] == latest.name and resumed["ranks"] == 2
         for key in ("state_hash", "params_hash", "residual_hash"):
             assert resumed[key] == getattr(saved, key), key
 
-        status = fetch_status(target, None)
+        status = run.status()
         assert status.finished and [h.round for h in status.history] == list(range(ROUNDS))
         for record in status.history:  # the quorum is every site: both in every round
             assert sorted(record.contributors) == SITES
             assert record.hash_reports == 2 and record.hashes_agree, record
         for site in status.sites:
             assert site.hash_ok and site.rejected == 0, site
-        assert ledger_problems(round_log(tmp_path / "coord"), cfg) == []
-        request_shutdown(target, None)
-        assert coordinator.wait(timeout=30) == 0
-    finally:
-        for proc in (*procs.values(), coordinator):
-            if proc.poll() is None:
-                kill_tree(proc)
+        run.finish()

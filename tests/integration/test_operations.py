@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from geodiloco.status import fetch_status
 from helpers import free_port, spawn_geodiloco, tiny_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROUNDS = 4
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

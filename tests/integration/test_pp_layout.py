@@ -16,25 +16,12 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from geodiloco.params import canonical_parameters
-from geodiloco.status import fetch_status, request_shutdown
 from geodiloco.workload import GPTConfig, build_model
-from helpers import (
-    kill_tree,
-    ledger_problems,
-    round_log,
-    spawn_geodiloco,
-    start_coordinator_process,
-    tiny_config,
-    wait_for_checkpoint,
-)
+from helpers import SitesRun, kill_tree, tiny_config, wait_for_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MODEL = {"n_layer": 2, "n_head": 2, "d_model": 16, "seq_len": 16}  # a block per stage
-
-
-def site_args(name: str, target: str, *extra: str) -> list[str]:
-    return ["site", "run", "--name", name, "--coordinator", target, "--insecure", "--device", "cpu", *extra]
 
 
 def test_pp_site_agrees_with_ddp_and_its_checkpoint_resumes_under_ddp(tmp_path: Path) -> None:
@@ -47,76 +34,52 @@ def test_pp_site_agrees_with_ddp_and_its_checkpoint_resumes_under_ddp(tmp_path: 
         inner__steps_per_round=20,
         compression__chunk_elements=700,
     )
-    coordinator, target = start_coordinator_process(cfg, tmp_path)
     ckpt = tmp_path / "ckpt-pp"
     pp_args = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
-    procs = {
-        "ddp": spawn_geodiloco(site_args("site-ddp", target, "--nproc", "2"), tmp_path / "ddp.log"),
-        "pp": spawn_geodiloco(
-            site_args("site-pp", target, "--nproc", "2", "--layout", "pp=2", *pp_args), tmp_path / "pp.log"
-        ),
-    }
-    try:
-        wait_for_checkpoint(ckpt, 2, {procs["pp"]: tmp_path / "pp.log"})
-        kill_tree(procs["pp"])
+    with SitesRun(cfg, tmp_path) as run:
+        run.start("site-ddp", "--nproc", "2", key="ddp")
+        run.start("site-pp", "--nproc", "2", "--layout", "pp=2", *pp_args, key="pp")
+        wait_for_checkpoint(ckpt, 2, {run.procs["pp"]: run.log("pp")})
+        kill_tree(run.procs["pp"])
         saved = sorted(ckpt.glob("round-*/site.json"))[-1]
         meta = json.loads(saved.read_text())
         assert meta["ranks"] == 2 and meta["layout"] == "pp"
-        assert "layout: pp over 2 ranks (pp=2 x 2 microbatches" in (tmp_path / "pp.log").read_text()
+        assert "layout: pp over 2 ranks (pp=2 x 2 microbatches" in run.log("pp").read_text()
         # canonical names from both stages: the whole model, as a site without stages keeps it
         keys = set(dcp.FileSystemReader(str(saved.parent)).read_metadata().state_dict_metadata)
         names = [n for n, _ in canonical_parameters(build_model(GPTConfig(**MODEL), seed=0))]
         for part in ("model", "snapshot", "residual"):
             assert {f"{part}.{n}" for n in names} <= keys, part
 
-        procs["pp"] = spawn_geodiloco(
-            site_args("site-pp", target, "--nproc", "1", *pp_args), tmp_path / "pp2.log"
-        )
-        for name, proc in procs.items():
-            assert proc.wait(timeout=300) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        run.start("site-pp", "--nproc", "1", *pp_args, key="pp2")
+        run.wait("ddp", "pp2", timeout=300)
         resumed = json.loads((ckpt / "resumed.json").read_text())
         assert resumed["ranks"] == 1 and resumed["checkpoint"] == saved.parent.name
         for key in ("state_hash", "params_hash", "residual_hash"):
             assert resumed[key] == meta[key], key
 
-        status = fetch_status(target, None)
+        status = run.status()
         assert status.finished and [h.round for h in status.history] == list(range(5))
         assert all(sorted(h.contributors) == ["site-ddp", "site-pp"] for h in status.history)
         for record in status.history[:2]:  # trained by the stages, reported by both sites
             assert record.hash_reports == 2 and record.hashes_agree
         assert status.history[-1].hashes_agree and status.history[-1].hash_reports == 2
-        assert ledger_problems(round_log(tmp_path / "coord"), cfg) == []
-        request_shutdown(target, None)
-        assert coordinator.wait(timeout=30) == 0
-    finally:
-        for proc in (*procs.values(), coordinator):
-            if proc.poll() is None:
-                proc.kill()
+        run.finish()
 
 
 def test_pp_with_fsdp_site_agrees_with_ddp_every_round(tmp_path: Path) -> None:
     sites = {"site-pp-fsdp": ("4", "pp=2,dp_shard=2"), "site-ddp": ("1", "ddp")}
     cfg = tiny_config(rounds=3, sites=list(sites), min_sites=2, model=MODEL, compression__chunk_elements=700)
-    coordinator, target = start_coordinator_process(cfg, tmp_path)
-    procs = []
-    try:
+    with SitesRun(cfg, tmp_path) as run:
         for name, (ranks, layout) in sites.items():
-            args = site_args(name, target, "--nproc", ranks, "--layout", layout)
-            procs.append(spawn_geodiloco(args, tmp_path / f"{name}.log"))
-        for name, proc in zip(sites, procs, strict=True):
-            assert proc.wait(timeout=400) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
-        status = fetch_status(target, None)
+            run.start(name, "--nproc", ranks, "--layout", layout)
+        run.wait()
+        status = run.status()
         assert status.finished and [h.round for h in status.history] == [0, 1, 2]
         for record in status.history:
             assert sorted(record.contributors) == sorted(sites)
             assert record.hash_reports == 2 and record.hashes_agree
             assert record.eval_count == cfg.data.eval_sequences  # each batch counted once
-        text = (tmp_path / "site-pp-fsdp.log").read_text()
+        text = run.log("site-pp-fsdp").read_text()
         assert "layout: pp+fsdp over 4 ranks" in text and text.count("eval slice loss") == 3
-        assert ledger_problems(round_log(tmp_path / "coord"), cfg) == []
-        request_shutdown(target, None)
-        assert coordinator.wait(timeout=30) == 0
-    finally:
-        for proc in (*procs, coordinator):
-            if proc.poll() is None:
-                proc.kill()
+        run.finish()
