@@ -18,21 +18,22 @@ stage group reports the same step loss. The loss function must give a microbatch
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from geodiloco.params import canonical_parameters
 from geodiloco.site.shards import PLACEMENT_ATTR, PP_DIM, StagePlacement, local_tensor
 from geodiloco.workload.loss import Batch, LossFn
 from geodiloco.workload.model import ByteGPT
 from geodiloco.workload.steps import scale_grads, squared_grad_norm
+
+if TYPE_CHECKING:  # torch.distributed.pipelining pulls in dynamo (~1.6 s per rank): only pp sites pay
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 
 class ByteGPTStage(nn.Module):
@@ -191,6 +192,8 @@ class Pipelined(nn.Module):
         key = (tuple((tuple(t.shape), t.dtype) for t in inputs), microbatches, mode)
         schedule = self._schedules.get(key)
         if schedule is None:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
             stage = PipelineStage(self.stage, self.index, self.stages, self.device, group=self.group)
             loss = self._score if mode != "logits" else None
             kind = Schedule1F1B if mode == "train" else ScheduleGPipe
