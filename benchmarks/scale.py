@@ -394,8 +394,9 @@ def driver(args: argparse.Namespace) -> None:
         rounds = args.rounds
     rows = []
     with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
+        root = args.keep or Path(tmp)
         for i, (params, sites) in enumerate(cases):
-            row = run_case(params, sites, rounds, Path(tmp) / f"case-{i}")
+            row = run_case(params, sites, rounds, root / f"case-{i}")
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.json:
@@ -415,6 +416,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="one 200k-parameter case: seconds")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, help="default: the --json path with .png")
+    parser.add_argument("--keep", type=Path, help="keep each case's logs and run directory here")
     parser.add_argument("--site", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

@@ -136,6 +136,7 @@ class RoundController:
     ) -> None:
         """``initial`` is θ_0 and ``shard_sizes`` the data's; either may be None only when
         ``run_dir`` holds a snapshot to resume (it holds θ and the ledger)."""
+        began = time.monotonic()
         self.cfg = cfg
         self.run_dir = run_dir
         self.sealer = sealer
@@ -177,21 +178,26 @@ class RoundController:
         self._round_tokens: dict[str, int] = {}
         self.push_digests: dict[tuple[str, int], tuple[bytes, ...]] = {}  # (site, round) -> per part
         self._transfers: dict[str, int] = {}  # push and pull streams in flight, per site
+        self._broken: dict[str, float] = {}  # when a site's last stream broke (see suspect_s)
         self.disk_bytes = 0  # written by the last commit
         self.snapshot_round: int | None = None  # the round of the snapshot on disk
         if run_dir is not None:
             if state is not None:
                 self.restore(state)
                 self.snapshot_round = self.round
+            loaded = time.monotonic()
             replayed = self._replay()
             if state is not None or replayed:
                 log.info(
-                    "resumed run %s at round %d (hash %s; snapshot of round %s, %d rounds replayed)",
+                    "resumed run %s at round %d (hash %s; snapshot of round %s read in %.2fs, "
+                    "%d rounds replayed in %.2fs)",
                     self.cfg.run_id,
                     self.round,
                     self.hashes[self.round][:12],
                     self.snapshot_round,
+                    loaded - began,
                     replayed,
+                    time.monotonic() - loaded,
                 )
             self._sync_round_log()
             for report in read_reports(run_dir / REPORT_LOG):
@@ -283,13 +289,38 @@ class RoundController:
             return
         self._transfers[name] = self._transfers.get(name, 0) + 1
         record.last_seen = time.monotonic()
+        broken = False
         try:
             yield
+        except (asyncio.CancelledError, GeneratorExit):
+            # the peer went away mid-stream (or its deadline passed): a push's task is cancelled,
+            # a pull's generator closed where it waited to send
+            broken = True
+            raise
         finally:
             self._transfers[name] -= 1
             if not self._transfers[name]:
                 del self._transfers[name]
             record.last_seen = time.monotonic()
+            if broken:
+                self._broken[name] = record.last_seen
+
+    @property
+    def suspect_s(self) -> float:
+        """How long a site whose stream broke is waited for without a heartbeat: a few
+        heartbeats, not a whole lease. A killed site's connection closes, and the healthy sites
+        should not wait a lease for it; a live one heartbeats again within an interval."""
+        return min(self.cfg.lease_s, 3 * self.cfg.heartbeat_interval_s)
+
+    def _silent_for(self, record: SiteRecord, now: float) -> str | None:
+        """Why a joined site is to be expired now, or None."""
+        silent = now - record.last_seen
+        if silent > self.cfg.lease_s:
+            return f"no heartbeat for {silent:.1f}s"
+        broken = self._broken.get(record.name)
+        if broken is not None and record.last_seen <= broken and silent > self.suspect_s:
+            return f"its stream broke and no heartbeat came for {silent:.1f}s since"
+        return None
 
     async def join(self, name: str, run_id: str, world_size: int = 1) -> SiteRecord:
         """Admit a site; its declared ``world_size`` (0: one rank) must fit the limits and the
@@ -487,6 +518,7 @@ class RoundController:
         contributors, tokens = sorted(mean.contributors), mean.weight
         self._round_tokens = dict(mean.tokens)
         update = await asyncio.to_thread(self._advance, r)
+        computed = time.monotonic()
         digest = update.state_hash
         self.updates[r] = update
         kept = 1 if self.run_dir is not None else KEEP_UPDATES  # with a run directory: in the log
@@ -517,12 +549,14 @@ class RoundController:
         faults.at_commit(r)  # tests: a fault plan's kill or raise, advanced in memory, not yet durable
         await self._persist()
         log.info(
-            "round %d committed: %s, %d tokens, update %d bytes, hash %s",
+            "round %d committed: %s, %d tokens, update %d bytes, hash %s (outer step %.2fs, durable %.2fs)",
             r,
             ",".join(record.contributors),
             record.tokens,
             record.update_bytes,
             digest[:12],
+            computed - started,
+            time.monotonic() - computed,
         )
         await self._notify()
 
@@ -686,10 +720,11 @@ class RoundController:
         for record in self.sites.values():
             if record.name in self._transfers:
                 record.last_seen = now  # a stream in flight is a heartbeat
-            elif record.state == "joined" and now - record.last_seen > self.cfg.lease_s:
+            elif record.state == "joined" and (why := self._silent_for(record, now)) is not None:
                 record.state = "lost"
+                self._broken.pop(record.name, None)
                 self.ledger.release_site(record.name)
-                log.warning("site %s lost: no heartbeat for %.1fs", record.name, now - record.last_seen)
+                log.warning("site %s lost: %s", record.name, why)
         await self._maybe_close()
 
     # -- updates and state for the sites ----------------------------------------------------

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from geodiloco.compression import EncodedChunk
-from geodiloco.coordinator.durable import CorruptStateError, read_stream, write_stream
+from geodiloco.coordinator.durable import CorruptStateError, read_payload, write_stream
 from geodiloco.security.sealing import Sealer
 
 UPDATES_DIR = "updates"
@@ -73,7 +73,7 @@ def read_update(run_dir: Path, round_: int, sealer: Sealer | None) -> LoggedUpda
     path = update_path(run_dir, round_)
     if not path.exists():
         return None
-    data = b"".join(read_stream(path, sealer, _label(round_)))
+    data = read_payload(path, sealer, _label(round_))
     try:
         (length,) = _LENGTH.unpack_from(data)
         meta = json.loads(data[_LENGTH.size : _LENGTH.size + length])

@@ -4,6 +4,7 @@ the file this run wrote (tampered, truncated, another run secret, sealed-ness sw
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 from pathlib import Path
 
@@ -124,3 +125,25 @@ def test_resume_needs_neither_theta_nor_the_data(tmp_path: Path) -> None:
     assert resumed.ledger.state_dict() == first.ledger.state_dict()
     with pytest.raises(StateError, match="no saved state"):
         RoundController(first.cfg, None, None, tmp_path / "empty")
+
+
+def test_unsealed_state_is_checksummed_and_earlier_sha256_files_still_read(tmp_path: Path) -> None:
+    state = {"round": 3, "theta": torch.arange(5000, dtype=torch.float32)}
+    path = tmp_path / STATE_FILE
+    save_state(path, state)
+    blob = bytearray(path.read_bytes())
+    assert blob.startswith(durable.MAGIC)
+    assert torch.equal(load_state(path)["theta"], state["theta"])  # type: ignore[index]
+    blob[-7] ^= 1  # one bit of θ
+    path.write_bytes(blob)
+    with pytest.raises(CorruptStateError, match="checksum mismatch"):
+        load_state(path)
+    # a file of the first version (SHA-256 header) is read, and checked, the same way
+    payload = bytes(blob[durable._HEADER.size :])
+    payload = payload[:-7] + bytes([payload[-7] ^ 1]) + payload[-6:]
+    old = durable._HEADER_SHA256.pack(durable.MAGIC_SHA256, hashlib.sha256(payload).digest(), len(payload))
+    path.write_bytes(old + payload)
+    assert torch.equal(load_state(path)["theta"], state["theta"])  # type: ignore[index]
+    path.write_bytes(old + payload[:-1] + b"\0")
+    with pytest.raises(CorruptStateError, match="checksum mismatch"):
+        load_state(path)

@@ -43,3 +43,29 @@ def test_a_pull_that_outlasts_the_lease_keeps_the_site_alive() -> None:
         assert c.controller.sites["site-a"].state == "joined"
         time.sleep(LEASE_S + 1.0)  # once the stream has ended, the lease runs out as before
         assert c.controller.sites["site-a"].state == "lost"
+
+
+def test_a_site_whose_stream_broke_is_not_waited_for_a_whole_lease() -> None:
+    """A killed site's connection closes mid-stream: unless it heartbeats again within a few
+    intervals it is expired then, not a whole lease later; one that heartbeats stays."""
+    cfg = tiny_config(lease_s=30.0, heartbeat_interval_s=0.2, compression__chunk_elements=1 << 16)
+    with CoordinatorThread(cfg, initial=torch.randn(N, generator=torch.Generator().manual_seed(0))) as c:
+        assert c.controller.suspect_s == pytest.approx(0.6)
+        quiet, beating = OuterSyncClient(c.target, "site-a"), OuterSyncClient(c.target, "site-b")
+        for client in (quiet, beating):
+            client.join()
+            request = outer_sync_pb2.PullRequest(
+                run_id=client.run_id, site=client.site, kind=outer_sync_pb2.PullRequest.FULL_STATE
+            )
+            with grpc.insecure_channel(c.target, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+                call = outer_sync_pb2_grpc.OuterSyncStub(channel).PullUpdate(request, timeout=60)
+                next(call)  # the stream flows (16 MB: far more than the window) ...
+                call.cancel()  # ... and breaks, as a killed process's connection does
+        broke = time.monotonic()
+        while c.controller.sites["site-a"].state == "joined":
+            assert time.monotonic() - broke < 10, "the quiet site was waited for too long"
+            beating.heartbeat(0)
+            time.sleep(0.1)
+        assert c.controller.sites["site-a"].state == "lost"
+        assert time.monotonic() - broke < cfg.lease_s / 3
+        assert c.controller.sites["site-b"].state == "joined"
