@@ -80,14 +80,14 @@ class Run:
         path = fragment_dir(self.run_dir, p) / "reports.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()]
 
-    def wait_rounds(self, rounds: int, timeout_s: float = 120) -> None:
+    def wait_rounds(self, rounds: int, timeout_s: float = 240) -> None:
         """Until the last fragment (the run's round) has committed ``rounds`` rounds."""
         deadline = time.monotonic() + timeout_s
         while len(self.fragment_log(FRAGMENTS - 1)) < rounds:
             assert time.monotonic() < deadline, self.log(f"coordinator-{self.starts}")
             time.sleep(0.05)
 
-    def wait_sites(self, names: list[str], timeout_s: float = 120) -> None:
+    def wait_sites(self, names: list[str], timeout_s: float = 240) -> None:
         for name in names:
             assert self.sites[name].wait(timeout=timeout_s) == 0, self.log(name)
 
