@@ -372,7 +372,10 @@ class FragmentSync:
             elif not resync:
                 self.group.agree(Outcome.OK)  # a rank that owns nothing still takes part
             if resync:
-                current, _ = self.rejoin()
+                current, assigned = self.rejoin()
+                if self._push_again(round_, current, data, assigned):  # the same on every rank
+                    resync = False
+                    continue
                 caught = self.catch_up(round_, current)
                 if caught is not None:
                     return caught, True
@@ -399,6 +402,22 @@ class FragmentSync:
                 return dataclasses.replace(pulled, data=self.rejoin()[1]), False
             return pulled, False
         raise RuntimeError(f"round {round_}: no update after {MAX_EXCHANGES} attempts")
+
+    def _push_again(
+        self, round_: int, current: int, data: list[DataRange] | None, assigned: list[DataRange]
+    ) -> bool:
+        """After a rejoin, whether to push this fragment's round again rather than take its state.
+
+        With P > 1 fragments: a round still open (the membership had lapsed, e.g. a restarted
+        coordinator) must get this site's contribution now. Taking the state instead would leave
+        the fragment without it until the site's next round, while the site waits on its other
+        fragments, whose rounds the other sites cannot finish without it: a wait cycle. (One
+        fragment resyncs to the start of the round, which has no such cycle.)"""
+        return (
+            self.owner.schedule.fragments > 1
+            and current == round_
+            and (not self.settles_data or data == assigned)
+        )
 
     def rejoin(self) -> tuple[int, list[DataRange]]:
         """Rank 0 joins again; every rank learns the fragment's current round and the site's data."""

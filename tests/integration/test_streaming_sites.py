@@ -19,7 +19,9 @@ import pytest
 
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.fragments import PLAN_FILE, fragment_dir
+from geodiloco.faults import FAULT_PLAN_ENV, Fault, FaultPlan, fired
 from geodiloco.status import fetch_status, request_shutdown
+from geodiloco.wan import LinkConfig, ProxyThread
 from helpers import free_port, kill_tree, ledger_problems, round_log, serve_args, spawn_geodiloco, tiny_config
 
 pytestmark = pytest.mark.integration
@@ -44,17 +46,21 @@ def streaming_config(**overrides: Any) -> RunConfig:
 class Run:
     """A coordinator (restartable on a fixed port) and the two sites of one run."""
 
-    def __init__(self, tmp_path: Path, cfg: RunConfig) -> None:
+    def __init__(
+        self, tmp_path: Path, cfg: RunConfig, links: dict[str, ProxyThread] | None = None, port: int = 0
+    ) -> None:
+        """``links``: a site reaches the coordinator through its WAN proxy there."""
         self.tmp, self.cfg = tmp_path, cfg
-        self.config, self.run_dir, self.port = tmp_path / "run.json", tmp_path / "coord", free_port()
+        self.config, self.run_dir, self.port = tmp_path / "run.json", tmp_path / "coord", port or free_port()
         self.config.write_text(cfg.to_json())
         self.target = f"127.0.0.1:{self.port}"
         self.starts = 0
         self.coordinator = self.serve()
+        via = {name: proxy.address for name, proxy in (links or {}).items()}
+        site = ["site", "run", "--nproc", "1", "--insecure", "--name"]
         self.sites = {
             name: spawn_geodiloco(
-                ["site", "run", "--name", name, "--coordinator", self.target, "--nproc", "1", "--insecure"],
-                tmp_path / f"{name}.log",
+                [*site, name, "--coordinator", via.get(name, self.target)], tmp_path / f"{name}.log"
             )
             for name in cfg.sites
         }
@@ -74,14 +80,14 @@ class Run:
         path = fragment_dir(self.run_dir, p) / "reports.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()]
 
-    def wait_rounds(self, rounds: int, timeout_s: float = 120) -> None:
+    def wait_rounds(self, rounds: int, timeout_s: float = 240) -> None:
         """Until the last fragment (the run's round) has committed ``rounds`` rounds."""
         deadline = time.monotonic() + timeout_s
         while len(self.fragment_log(FRAGMENTS - 1)) < rounds:
             assert time.monotonic() < deadline, self.log(f"coordinator-{self.starts}")
             time.sleep(0.05)
 
-    def wait_sites(self, names: list[str], timeout_s: float = 120) -> None:
+    def wait_sites(self, names: list[str], timeout_s: float = 240) -> None:
         for name in names:
             assert self.sites[name].wait(timeout=timeout_s) == 0, self.log(name)
 
@@ -172,3 +178,45 @@ def test_a_site_killed_mid_run_costs_only_its_contribution(tmp_path: Path) -> No
         assert run.coordinator.wait(timeout=30) == 0
     finally:
         run.close()
+
+
+def test_a_partitioned_site_is_lost_then_rejoins_and_catches_up_every_fragment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """site-b's WAN link is cut past its lease in round 2: the run goes on with site-a, and once
+    the link heals site-b rejoins, catches every fragment up and contributes again. Both sites
+    are behind a 100 ms round trip, so the rounds after the cut outlast it."""
+    lease_s = 2.0
+    cfg = streaming_config(rounds=16, min_sites=1, lease_s=lease_s, round_timeout_s=5.0)
+    port = free_port()
+    proxies = {
+        n: ProxyThread(f"127.0.0.1:{port}", LinkConfig(latency_ms=50), control_port=0) for n in cfg.sites
+    }
+    plan = tmp_path / "plan.json"
+    monkeypatch.setenv(FAULT_PLAN_ENV, str(plan))
+    partition = Fault(action="partition", site="site-b", round=2, step=1, seconds=lease_s + 1)
+    FaultPlan(faults=[partition], links={"site-b": proxies["site-b"].control_address}).write(plan)
+    run = None
+    try:
+        run = Run(tmp_path, cfg, proxies, port=port)
+        run.wait_sites(list(cfg.sites), timeout_s=240)
+        assert fired(plan), "the partition never fired"
+        logs = assert_fragments_chained(run, cfg.rounds)
+        for p, log in enumerate(logs):
+            # the run did not wait for the partitioned site ...
+            alone = [r["round"] for r in log if r["contributors"] == ["site-a"]]
+            assert alone, f"fragment {p}: no round closed without site-b"
+            # ... and once back, it contributed again and its hashes agreed
+            back = [r["round"] for r in log if r["round"] > alone[0] and "site-b" in r["contributors"]]
+            assert back, f"fragment {p}: site-b never contributed after the partition"
+            reports = [r for r in run.reports(p) if r["site"] == "site-b" and r["round"] >= back[0]]
+            assert reports and all(r["hash_ok"] for r in reports), f"fragment {p}"
+        status = {s.site: s for s in fetch_status(run.target, None).sites}
+        assert status["site-b"].state == "left" and status["site-b"].hash_ok  # every fragment's last report
+        request_shutdown(run.target, None)
+        assert run.coordinator.wait(timeout=30) == 0
+    finally:
+        if run is not None:
+            run.close()
+        for proxy in proxies.values():
+            proxy.close()

@@ -1,0 +1,51 @@
+"""A streaming site whose membership lapsed while its round was still open (a coordinator that
+restarted before the site's push reached it) pushes that fragment round again after rejoining,
+rather than taking the fragment's state: with every site waited for, taking the state would
+leave the round without it while it waits on its other fragments (a wait cycle)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from test_link_local import _snapshot, config, coordinator_for, run_sites
+
+from geodiloco.site.link import Resync
+from geodiloco.site.local_link import LocalCoordinator
+
+
+class ForgetsTheSite:
+    """A link whose push of one fragment round finds the site forgotten by the coordinator (as
+    after a restart): every fragment drops its membership, and the push is refused."""
+
+    def __init__(self, coordinator: LocalCoordinator, link: Any, fragment: int, round_: int) -> None:
+        self.coordinator, self.link, self.at, self.fired = coordinator, link, (fragment, round_), 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.link, name)
+
+    def push(self, fragment: int, round_: int, *args: Any, **kwargs: Any) -> None:
+        if (fragment, round_) == self.at and not self.fired:
+            self.fired += 1
+
+            async def forget() -> None:
+                for c in self.coordinator.controller.fragments:
+                    c.sites[self.link.site].state = "absent"
+
+            self.coordinator.call(forget())
+            raise Resync("FAILED_PRECONDITION site has not joined (state: absent); call Join")
+        self.link.push(fragment, round_, *args, **kwargs)
+
+
+def test_a_forgotten_site_pushes_its_open_fragment_round_again() -> None:
+    cfg = config(fragments=2, overlap=1, min_sites=2, round_timeout_s=600.0)  # every round waits for both
+    with coordinator_for(cfg) as coordinator:
+        forgetful = ForgetsTheSite(coordinator, coordinator.link("site-b"), 0, 1)
+        real_link = coordinator.link
+        coordinator.link = lambda name: forgetful if name == "site-b" else real_link(name)  # type: ignore[method-assign]
+        out = run_sites(coordinator)  # a wait cycle would never finish (asserted there)
+        assert forgetful.fired == 1
+        for c in coordinator.controller.fragments:
+            assert all(h.contributors == ["site-a", "site-b"] and h.hashes_agree for h in c.history)
+        theta = coordinator.controller.theta()
+        assert all(torch.equal(_snapshot(site["sync"]), theta) for site in out.values())
