@@ -47,7 +47,7 @@ from geodiloco.security.ratelimit import RateLimiter
 from geodiloco.security.sealing import SealError
 from geodiloco.security.wire import MalformedRequest
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
-from geodiloco.wire import ranges_to_proto
+from geodiloco.wire import PUSHER_KEY, ranges_to_proto
 
 log = logging.getLogger("geodiloco.coordinator")
 
@@ -266,11 +266,17 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         timeout_s = self.c.cfg.limits.chunk_timeout_s
         stream: PartStream | None = None
         started = time.time()
+        opener = self._pusher(context)
         try:
-            first = await _next_chunk(request_iterator, timeout_s)
+            with self.run.transferring(opener):  # alive while its first chunk crosses a slow link
+                first = await _next_chunk(request_iterator, timeout_s)
             if first is None:
                 raise InvalidArgument("empty push: no chunks received")
             require_site(self.security, context, first.header.site)
+            if opener and opener != first.header.site:
+                raise InvalidArgument(
+                    f"the push opened as site {opener!r} carries chunks of {first.header.site!r}"
+                )
             site, round_, fragment = first.header.site, first.header.round, first.header.fragment
             c = self.run.fragment(fragment)  # before anything of the push is read or kept
             stream = await self._begin(first)
@@ -304,6 +310,15 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         )
         self._count(site, sent=ack)
         return ack
+
+    def _pusher(self, context: grpc.aio.ServicerContext) -> str:
+        """The site that opened a push stream, known before its first chunk: its certificate's
+        name, or (plaintext loopback only) the ``geodiloco-site`` metadata; "" when unnamed."""
+        if self.security.authenticates:
+            identity = peer_identity(context)
+            return identity.name if identity is not None and identity.role == "site" else ""
+        named = [v for k, v in context.invocation_metadata() or () if k == PUSHER_KEY]
+        return named[0] if named and isinstance(named[0], str) else ""
 
     def _pushed(
         self,

@@ -36,7 +36,7 @@ from geodiloco.security.sealing import SiteKeys
 from geodiloco.security.tls import TlsFiles, open_channel
 from geodiloco.segment import Segment
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
-from geodiloco.wire import ranges_from_proto, ranges_to_proto
+from geodiloco.wire import PUSHER_KEY, ranges_from_proto, ranges_to_proto
 from geodiloco.workload.data import DataRange
 
 log = logging.getLogger("geodiloco.site")
@@ -446,7 +446,11 @@ class OuterSyncClient:
             faults.at(self.site, self.rank, round_, sent, "push")  # all sent, not yet acknowledged
 
         def attempt() -> Any:
-            ack = self.stub.PushDelta(messages(), timeout=timeout_s, wait_for_ready=True)
+            # the site named up front: its lease is held from the stream's first byte, not from
+            # its first whole chunk (one chunk can outlast a lease on a slow link)
+            ack = self.stub.PushDelta(
+                messages(), timeout=timeout_s, wait_for_ready=True, metadata=((PUSHER_KEY, self.site),)
+            )
             self._count(received=ack)
             return ack
 

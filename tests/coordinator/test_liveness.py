@@ -11,6 +11,7 @@ import torch
 
 from geodiloco.site.client import OuterSyncClient
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
+from geodiloco.wire import PUSHER_KEY
 from helpers import CoordinatorThread, tiny_config
 
 pytestmark = pytest.mark.integration
@@ -69,3 +70,47 @@ def test_a_site_whose_stream_broke_is_not_waited_for_a_whole_lease() -> None:
         assert c.controller.sites["site-a"].state == "lost"
         assert time.monotonic() - broke < cfg.lease_s / 3
         assert c.controller.sites["site-b"].state == "joined"
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_a_push_whose_first_chunk_outlasts_the_lease_keeps_the_site_alive(named: bool) -> None:
+    """One chunk can take longer than a lease to cross a slow link (a model under
+    ``compression.chunk_elements`` pushes a single chunk): the stream's opener is named in its
+    metadata, so its lease is held from the first byte. Unnamed, the site expires as it waits."""
+    cfg = tiny_config(lease_s=LEASE_S, heartbeat_interval_s=0.5)
+    with CoordinatorThread(cfg, initial=torch.zeros(1000)) as c:
+        site = OuterSyncClient(c.target, "site-a")
+        site.join()
+
+        def first_chunk_never_arrives():  # type: ignore[no-untyped-def]
+            time.sleep(3 * LEASE_S)
+            return
+            yield
+
+        metadata = ((PUSHER_KEY, "site-a"),) if named else ()
+        with grpc.insecure_channel(c.target) as channel:
+            stub = outer_sync_pb2_grpc.OuterSyncStub(channel)
+            call = stub.PushDelta.future(first_chunk_never_arrives(), timeout=60, metadata=metadata)
+            states = set()
+            while not call.done():
+                states.add(c.controller.sites["site-a"].state)
+                time.sleep(0.1)
+            assert call.exception() is not None and call.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert states == ({"joined"} if named else {"joined", "lost"}), states
+
+
+def test_a_push_opened_as_one_site_cannot_carry_another_sites_chunks() -> None:
+    cfg = tiny_config(lease_s=30.0)
+    with CoordinatorThread(cfg, initial=torch.zeros(1000)) as c:
+        for name in ("site-a", "site-b"):
+            OuterSyncClient(c.target, name).join()
+        header = outer_sync_pb2.ChunkHeader(
+            run_id=cfg.run_id, round=0, site="site-b", codec="fp32", numel=1000
+        )
+        chunk = outer_sync_pb2.DeltaChunk(header=header, payload=bytes(4000))
+        with grpc.insecure_channel(c.target) as channel:
+            stub = outer_sync_pb2_grpc.OuterSyncStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.PushDelta(iter([chunk]), timeout=30, metadata=((PUSHER_KEY, "site-a"),))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "opened as site 'site-a'" in (refused.value.details() or "")
