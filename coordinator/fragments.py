@@ -32,15 +32,13 @@ from torch import nn
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.errors import CorruptStateError, InvalidArgument
 from geodiloco.coordinator.rounds import RoundController, SiteRecord
-from geodiloco.coordinator.rundir import check_run_config
+from geodiloco.coordinator.rundir import PLAN_FILE, check_run_config
 from geodiloco.fragments import FragmentPlan
 from geodiloco.params import flatten_parameters
 from geodiloco.security.sealing import Sealer
 from geodiloco.workload.data import DataRange
 
 log = logging.getLogger("geodiloco.coordinator")
-
-PLAN_FILE = "fragments.json"  # the fragment plan of a run of P > 1 fragments
 
 
 def fragment_dir(run_dir: Path, fragment: int) -> Path:

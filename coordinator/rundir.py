@@ -30,6 +30,7 @@ REPORT_LOG = "reports.jsonl"  # the sites' hash reports and eval losses
 EVENTS_FILE = "events.jsonl"  # what each site did in each round (telemetry)
 LOCK_FILE = "coordinator.lock"
 RUN_CONFIG = "config.json"  # the run's config as it started (read by `geodiloco export` too)
+PLAN_FILE = "fragments.json"  # a streaming run's (P > 1) fragment plan; fragment p's files in fragment-p/
 # what a resumed run may not change: its data (the ledger's shards and windows), its sites, and
 # its fragments (each keeps its own state: another count would start afresh beside the old ones)
 FIXED_ON_RESUME = ("data.shards", "data.max_bytes", "data.paths", "sites", "outer.fragments")

@@ -14,7 +14,7 @@ from typing import Any
 
 from geodiloco.coordinator.errors import CorruptStateError
 from geodiloco.coordinator.journal import read_lines
-from geodiloco.coordinator.rundir import EVENTS_FILE, ROUND_LOG
+from geodiloco.coordinator.rundir import EVENTS_FILE, PLAN_FILE, ROUND_LOG
 
 CONTRIBUTING = ("accepted", "part")  # push outcomes that carried a contribution's bytes
 
@@ -62,9 +62,23 @@ class RunLog:
 def find_run_dir(path: Path) -> Path:
     """``path`` itself, or the ``coordinator/`` folder of a demo's run directory."""
     for candidate in (path, path / "coordinator"):
-        if (candidate / ROUND_LOG).is_file():
+        if (candidate / ROUND_LOG).is_file() or (candidate / PLAN_FILE).is_file():
             return candidate
     raise RunLogError(f"{path}: no {ROUND_LOG} here or in {path / 'coordinator'}; is it a run directory?")
+
+
+def round_log(directory: Path) -> Path:
+    """The run's round log; a streaming run's (P > 1 fragments) is its last fragment's, whose
+    rounds settle the data ledger and end each round of H steps."""
+    if not (directory / PLAN_FILE).is_file():
+        return directory / ROUND_LOG
+    from geodiloco.coordinator.fragments import fragment_dir, read_plan  # torch: streaming runs only
+
+    try:
+        count = read_plan(directory).count
+    except CorruptStateError as exc:
+        raise RunLogError(str(exc)) from None
+    return fragment_dir(directory, count - 1) / ROUND_LOG
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -77,9 +91,12 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def load_run(path: Path) -> RunLog:
     directory = find_run_dir(path)
-    rounds = _read_jsonl(directory / ROUND_LOG)
+    log = round_log(directory)
+    if not log.is_file():
+        raise RunLogError(f"{log}: not found; no round committed yet?")
+    rounds = _read_jsonl(log)
     if not rounds:
-        raise RunLogError(f"{directory / ROUND_LOG}: no committed round yet")
+        raise RunLogError(f"{log}: no committed round yet")
     events_path = directory / EVENTS_FILE
     if not events_path.is_file():
         raise RunLogError(f"{events_path}: not found (written by coordinators since the operations release)")

@@ -8,6 +8,9 @@ from typing import Any
 
 import pytest
 
+from geodiloco.coordinator.fragments import fragment_dir
+from geodiloco.coordinator.rundir import PLAN_FILE
+from geodiloco.fragments import FragmentPlan
 from geodiloco.runlog import RunLogError, load_run
 
 
@@ -84,4 +87,22 @@ def test_what_is_not_a_run_directory_is_named(tmp_path: Path) -> None:
         load_run(tmp_path)
     _write(tmp_path / "rounds.jsonl", [_round(0, ["a"])])
     with pytest.raises(RunLogError, match=r"events\.jsonl: not found"):
+        load_run(tmp_path)
+
+
+def test_a_streaming_runs_rounds_are_its_last_fragments(tmp_path: Path) -> None:
+    """P > 1: each fragment keeps its round log in RUN_DIR/fragment-p/; the run's rounds are the
+    last fragment's (it settles the data), the events journal is the run's own."""
+    plan = FragmentPlan(((0,), (1,)), (10, 10))
+    (tmp_path / PLAN_FILE).write_text(plan.to_json())
+    for p, contributors in enumerate((["a"], ["a", "b"])):
+        fragment_dir(tmp_path, p).mkdir()
+        _write(fragment_dir(tmp_path, p) / "rounds.jsonl", [_round(0, contributors)])
+    events = [_push("a", 0, 1.0, 2.0, 40), _push("b", 0, 1.0, 2.5, 42), _report("a", 0, 6.0, compute_s=1.0)]
+    _write(tmp_path / "events.jsonl", events)
+    log = load_run(tmp_path)
+    assert log.global_tokens == [200]  # the last fragment's round: both sites' tokens
+    assert log.bytes_up == {0: 82} and sorted(log.sites) == ["a", "b"]
+    (tmp_path / PLAN_FILE).write_text("{}")
+    with pytest.raises(RunLogError, match="not a fragment plan"):
         load_run(tmp_path)
