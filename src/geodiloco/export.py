@@ -24,7 +24,10 @@ from torch import nn
 from geodiloco.params import canonical_parameters, load_flat_parameters, state_hash
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from geodiloco.config import RunConfig
+    from geodiloco.security.sealing import Sealer
 
 FORMATS = ("safetensors", "dcp")
 METADATA_FILE = "geodiloco-export.json"
@@ -50,36 +53,73 @@ def read_committed(
     """θ of round ``round_`` (default: the last committed) from a coordinator's ``--run-dir`` (or
     the ``coordinator/`` folder of a demo's run directory): the last snapshot plus the logged
     updates after it, checked against the hash chain. Round 0 is θ_0 as the builders make it;
-    rounds before the last snapshot are no longer stored."""
-    from geodiloco.coordinator.durable import STATE_FILE, STATE_LABEL, StateError
-    from geodiloco.coordinator.replay import committed_parameters
+    rounds before the last snapshot are no longer stored. A streaming run's (P > 1 fragments) θ
+    is assembled from every fragment's θ after ``round_`` of its rounds (default: its last)."""
+    from geodiloco.coordinator.durable import STATE_FILE, STATE_LABEL
+    from geodiloco.coordinator.rundir import PLAN_FILE
     from geodiloco.coordinator.server import initial_parameters
-    from geodiloco.coordinator.updatelog import UPDATES_DIR, logged_rounds, read_update
+    from geodiloco.coordinator.updatelog import UPDATES_DIR
     from geodiloco.security.sealing import Keyring
     from geodiloco.security.secrets import load_secret
 
     if not run_dir.is_dir():
         raise ExportError(f"{run_dir}: not a directory (give the coordinator's --run-dir)")
     if (
-        not any((run_dir / f).exists() for f in (STATE_FILE, UPDATES_DIR))
+        not any((run_dir / f).exists() for f in (STATE_FILE, UPDATES_DIR, PLAN_FILE))
         and (run_dir / "coordinator").is_dir()
     ):
         run_dir = run_dir / "coordinator"  # a demo's run directory
     if round_ == 0:
         theta = initial_parameters(cfg)
         return Committed(0, theta, state_hash(theta))
-    logged, snapshot = logged_rounds(run_dir), (run_dir / STATE_FILE).exists()
-    if not snapshot and not logged:
-        raise ExportError(
-            f"{run_dir}: no committed round (no {STATE_FILE} and no logged update); --round 0 exports "
-            "θ_0 as the run's builders make it"
-        )
     sealer = None
     if run_secret is not None:
         try:
             sealer = Keyring(load_secret(run_secret), cfg.run_id).at_rest(STATE_LABEL)
         except (OSError, ValueError) as exc:
             raise ExportError(f"--run-secret: {exc}") from None
+    if (run_dir / PLAN_FILE).exists():
+        return _read_fragments(run_dir, cfg, sealer, round_)
+    return _read_one(run_dir, cfg, sealer, round_, lambda: initial_parameters(cfg))
+
+
+def _read_fragments(run_dir: Path, cfg: RunConfig, sealer: Sealer | None, round_: int | None) -> Committed:
+    """Every fragment's committed θ, scattered into the canonical vector by the run's plan."""
+    from geodiloco.coordinator.errors import CorruptStateError
+    from geodiloco.coordinator.fragments import fragment_dir, read_plan
+
+    try:
+        plan = read_plan(run_dir)
+    except CorruptStateError as exc:
+        raise ExportError(str(exc)) from None
+    flat = torch.empty(sum(plan.sizes), dtype=torch.float32)
+    last = 0
+    for p in range(plan.count):
+        # a fragment's first snapshot (θ_0's share) is written before the plan: no replay from θ_0
+        one = _read_one(fragment_dir(run_dir, p), cfg, sealer, round_, None)
+        plan.scatter(p, one.theta, flat)
+        last = one.round  # the last fragment's: it ends each round of H steps
+    return Committed(last, flat, state_hash(flat))
+
+
+def _read_one(
+    run_dir: Path,
+    cfg: RunConfig,
+    sealer: Sealer | None,
+    round_: int | None,
+    initial_parameters: Callable[[], torch.Tensor] | None,
+) -> Committed:
+    """θ after ``round_`` rounds of one round log: its snapshot plus its logged updates."""
+    from geodiloco.coordinator.durable import STATE_FILE, StateError
+    from geodiloco.coordinator.replay import committed_parameters
+    from geodiloco.coordinator.updatelog import logged_rounds, read_update
+
+    logged, snapshot = logged_rounds(run_dir), (run_dir / STATE_FILE).exists()
+    if not snapshot and (not logged or initial_parameters is None):
+        raise ExportError(
+            f"{run_dir}: no committed round (no {STATE_FILE} and no logged update); --round 0 exports "
+            "θ_0 as the run's builders make it"
+        )
     own_config = "export with the run's own config (--config)"
     try:
         newest = read_update(run_dir, logged[-1], sealer) if logged else None
@@ -87,7 +127,7 @@ def read_committed(
             raise ExportError(
                 f"{run_dir} holds run {newest.run_id!r}, the config names {cfg.run_id!r}: {own_config}"
             )
-        initial = None if snapshot else initial_parameters(cfg)  # no snapshot yet: replay from θ_0
+        initial = None if snapshot or initial_parameters is None else initial_parameters()
         first = read_update(run_dir, logged[0], sealer) if initial is not None else None
         if first is not None and initial is not None and first.base_hash != state_hash(initial):
             raise ExportError(f"{run_dir}: round 0 did not start from this config's θ_0: {own_config}")

@@ -21,8 +21,9 @@ from geodiloco.config import RunConfig
 from geodiloco.coordinator.fragments import PLAN_FILE, FragmentedController, fragment_dir, resumes
 from geodiloco.coordinator.rundir import ROUND_LOG, STATE_FILE, ConfigDrift
 from geodiloco.coordinator.server import RunningServer, run_until_stopped, start_server
+from geodiloco.export import read_committed
 from geodiloco.fragments import FragmentPlan
-from geodiloco.params import canonical_parameters, flatten_parameters
+from geodiloco.params import canonical_parameters, flatten_parameters, state_hash
 from geodiloco.security.pki import PkiDir
 from geodiloco.security.policy import ServerSecurity
 from geodiloco.security.sealing import Keyring
@@ -383,3 +384,15 @@ def test_a_resume_with_other_fragments_is_refused(tmp_path: Path) -> None:
     asyncio.run(fragmented(config(fragments=1, overlap=0), one).persist_start())
     with pytest.raises(ConfigDrift, match=r"outer\.fragments: 1 when run"):
         fragmented(config(), one)
+
+
+def test_export_assembles_a_streaming_runs_theta_from_every_fragment(tmp_path: Path) -> None:
+    cfg = config(snapshot_every=2)
+    run = fragmented(cfg, tmp_path)
+    asyncio.run(run.persist_start())
+    commit_rounds(run, 3)
+    last = read_committed(tmp_path, cfg, None)
+    assert last.round == 3 and torch.equal(last.theta, run.theta())
+    assert last.state_hash == state_hash(run.theta())
+    assert torch.equal(read_committed(tmp_path, cfg, None, round_=3).theta, last.theta)
+    assert not torch.equal(last.theta, flatten_parameters(Blocks()))  # θ_0: three rounds were applied
