@@ -100,6 +100,16 @@ def resolve_format(fmt: str | None) -> str:
     return chosen
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is at each record, not as it was at set-up: where stderr is
+    replaced (a test's capture, a re-configured process), a late record from another thread goes
+    to the stream in use, never to a closed one."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def setup_logging(
     *,
     role: str = "",
@@ -111,7 +121,7 @@ def setup_logging(
     """Configure the root logger for this process (stderr, text or JSON lines)."""
     _context.role = role or ("site" if site else "coordinator")
     _context.site, _context.rank = site, rank
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler(sys.stderr)
     handler.addFilter(_ContextFilter())
     if resolve_format(fmt) == "json":
         handler.setFormatter(_JsonFormatter())
