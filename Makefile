@@ -27,9 +27,10 @@ $(TS)/node_modules/.installed: $(TS)/package-lock.json
 demo: setup
 	$(BIN)/geodiloco demo --json runs/demo.json --run-dir runs/demo
 
+# Two workers, whole files each, long files first (tests/conftest.py orders them).
 test: setup
 	cd $(TS) && npm test --silent
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not integration" tests

@@ -8,8 +8,9 @@ and hashes; no gRPC, no WAN). Every mode trains the same rounds x H steps x batc
 tokens) from the same warm start (the model trained alone first, as the DiLoCo paper starts
 from a pretrained model); ``--seeds`` vary the runs' data order. The loss reported is the
 held-out loss of the *global* parameters (the coordinator's θ) at the end. Modes: blocking
-DiLoCo (P = 1, τ = 0) and streaming ones (P fragments, τ overlapped steps, mixing α); each
-streaming run is compared with the blocking run of the same seed.
+DiLoCo (P = 1, τ = 0) and streaming ones (P fragments, τ overlapped steps, mixing α; one fragment
+with the longest overlap, τ = H − 1, is what benchmarks/wan.py runs over the WAN); each
+streaming run is compared with the blocking run of the same seed. ``--modes`` picks some.
 
 This is a loss comparison, not a timing one: the WAN's cost is measured by benchmarks/wan.py.
 ``--smoke`` (a tiny model, 2 rounds, one seed, two modes) only checks that the script runs.
@@ -36,8 +37,10 @@ from geodiloco.site.outer_sync import OuterSync
 from geodiloco.workload.data import DataRange
 from geodiloco.workload.steps import evaluate_batches, inner_step
 
+LONGEST = -1  # τ = H // P - 1: the longest overlap the schedule allows (benchmarks/wan.py's default)
 MODES = [  # (mode, fragments P, overlap_steps τ, mix_alpha α)
     ("blocking", 1, 0, 0.5),
+    ("streaming", 1, LONGEST, 0.5),
     ("streaming", 2, 0, 0.5),
     ("streaming", 2, 1, 0.5),
     ("streaming", 4, 1, 0.5),
@@ -98,6 +101,8 @@ def train_site(
 
 def run_one(base: dict[str, Any], mode: tuple[str, int, int, float], seed: int, theta0: torch.Tensor) -> dict:
     name, fragments, overlap, alpha = mode
+    if overlap == LONGEST:
+        overlap = base["inner"]["steps_per_round"] // fragments - 1
     settings = {**base, "seed": seed, "outer": {**base["outer"], "fragments": fragments}}
     settings["outer"].update(overlap_steps=overlap, mix_alpha=alpha)
     cfg = RunConfig.from_dict(settings)
@@ -173,9 +178,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warm-start", type=int, default=200, help="steps of the model alone first")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true")
+    listed = ", ".join(
+        f"{i}: {m[0]} P={m[1]} τ={'H//P-1' if m[2] == LONGEST else m[2]} α={m[3]}"
+        for i, m in enumerate(MODES)
+    )
+    parser.add_argument(
+        "--modes", type=int, nargs="+", choices=range(len(MODES)), help=f"which ({listed}); default all"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    seeds, modes = ([args.seeds[0]], SMOKE_MODES) if args.smoke else (args.seeds, MODES)
+    chosen = [MODES[i] for i in args.modes] if args.modes else MODES
+    seeds, modes = ([args.seeds[0]], SMOKE_MODES) if args.smoke else (args.seeds, chosen)
     base = base_config(args.smoke, args.rounds, args.steps)
     theta0 = warm_start(RunConfig.from_dict(base), 4 if args.smoke else args.warm_start)
     runs = []

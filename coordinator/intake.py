@@ -274,7 +274,8 @@ class Intake:
     """Every push in progress, by (site, round); one per coordinator.
 
     ``opener`` authenticates and opens a chunk's payload (the identity without sealing);
-    ``spill_dir`` holds the unlinked staging files (the system's temporary folder without one).
+    ``spill_dir`` holds the unlinked staging files (the system's temporary folder without one);
+    ``fragment`` is the fragment of the run whose pushes it takes (``num_params`` its size).
     """
 
     def __init__(
@@ -285,7 +286,9 @@ class Intake:
         limits: LimitsConfig,
         opener: Callable[[Any], bytes],
         spill_dir: Path | None = None,
+        fragment: int = 0,
     ) -> None:
+        self.fragment = fragment
         self.pipeline = pipeline
         self.num_params = num_params
         self.chunk_elements = chunk_elements
@@ -317,8 +320,10 @@ class Intake:
     async def begin(self, first: Any) -> PartStream:
         """A stream for the part ``first`` opens, authenticated before anything of it is trusted."""
         h = first.header
-        if h.fragment != 0:
-            raise InvalidArgument(f"fragment {h.fragment} does not exist; this run has one fragment (0)")
+        if h.fragment != self.fragment:
+            raise InvalidArgument(
+                f"a push of fragment {h.fragment} reached the intake of fragment {self.fragment}"
+            )
         if h.codec != self.pipeline.spec:
             raise InvalidArgument(f"codec {h.codec!r} is not this run's uplink codec {self.pipeline.spec!r}")
         check_declared(self.limits, first, self.num_params)

@@ -30,8 +30,9 @@ REPORT_LOG = "reports.jsonl"  # the sites' hash reports and eval losses
 EVENTS_FILE = "events.jsonl"  # what each site did in each round (telemetry)
 LOCK_FILE = "coordinator.lock"
 RUN_CONFIG = "config.json"  # the run's config as it started (read by `geodiloco export` too)
-# what a resumed run may not change: its data (the ledger's shards and windows) and its sites
-FIXED_ON_RESUME = ("data.shards", "data.max_bytes", "data.paths", "sites")
+# what a resumed run may not change: its data (the ledger's shards and windows), its sites, and
+# its fragments (each keeps its own state: another count would start afresh beside the old ones)
+FIXED_ON_RESUME = ("data.shards", "data.max_bytes", "data.paths", "sites", "outer.fragments")
 
 
 class ConfigDrift(StateError):
@@ -113,7 +114,8 @@ def check_run_config(run_dir: Path, cfg: RunConfig) -> None:
         if before != now:
             raise ConfigDrift(
                 f"{name}: {before!r} when run {saved_id!r} started in {run_dir}, {now!r} now; a resumed "
-                f"run keeps its data and sites: restore {name}, or start a new run in another --run-dir"
+                f"run keeps its data, sites and fragments: restore {name}, or start a new run in another "
+                "--run-dir"
             )
 
 

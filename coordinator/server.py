@@ -21,6 +21,7 @@ from geodiloco import logs
 from geodiloco.builders import build_data, build_model
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.durable import STATE_FILE, STATE_LABEL
+from geodiloco.coordinator.fragments import FragmentedController, open_fragments
 from geodiloco.coordinator.journal import Journal
 from geodiloco.coordinator.metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
@@ -146,6 +147,7 @@ class RunningServer:
     journal: Journal
     health_server: grpc.aio.Server | None = None
     health_port: int = 0
+    fragments: FragmentedController | None = None  # a run of P > 1 fragments (controller: the last)
 
     def request_stop(self, grace_s: float | None = None) -> None:
         if grace_s is not None:
@@ -156,8 +158,9 @@ class RunningServer:
         """NOT_SERVING first (probes and balancers stop sending work), then let a commit in
         progress become durable, then give open calls ``grace_s`` to finish."""
         await self.health.enter_graceful_shutdown()
-        await self.controller.settle()
-        await self.controller.checkpoint()  # the next start replays nothing
+        run = self.fragments or FragmentedController.single(self.controller)
+        await run.settle()
+        await run.checkpoint()  # the next start replays nothing
         log.info(
             "stopping: %d rounds committed%s; grace %.1fs for open calls",
             self.controller.round,
@@ -183,9 +186,16 @@ class RunningServer:
 
 
 async def start_server(
-    controller: RoundController, host: str, port: int, *, security: ServerSecurity, grace_s: float = 5.0
+    controller: RoundController,
+    host: str,
+    port: int,
+    *,
+    security: ServerSecurity,
+    grace_s: float = 5.0,
+    fragments: FragmentedController | None = None,
 ) -> RunningServer:
-    """Build and start the grpc.aio server with OuterSync, Admin, health and reflection."""
+    """Build and start the grpc.aio server with OuterSync, Admin, health and reflection.
+    ``fragments``: a run of P > 1 fragments, whose last one is ``controller``."""
     limit = controller.cfg.limits.max_message_bytes
     # A message over the limit is refused by gRPC (RESOURCE_EXHAUSTED) before it is buffered.
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
@@ -198,10 +208,11 @@ async def start_server(
         asyncio.Event(),
         grace_s,
         CoordinatorMetrics(controller),
-        Journal(controller.run_dir),
+        Journal(controller.run_dir if fragments is None else fragments.run_dir),
+        fragments=fragments,
     )
-    admin = AdminServicer(controller, running.request_stop, security)
-    outer_sync = OuterSyncServicer(controller, security, running.metrics, running.journal)
+    admin = AdminServicer(controller, running.request_stop, security, fragments)
+    outer_sync = OuterSyncServicer(controller, security, running.metrics, running.journal, fragments)
     server.add_generic_rpc_handlers(
         (
             strict_service(OUTER_SYNC, outer_sync),
@@ -244,7 +255,7 @@ async def _tick(running: RunningServer) -> None:
     """One controller tick; sites whose lease ran out in it are counted and journaled."""
     controller = running.controller
     joined = [name for name, s in controller.sites.items() if s.state == "joined"]
-    await controller.tick()
+    await (running.fragments or controller).tick()
     for name in joined:
         if controller.sites[name].state == "lost":
             running.metrics.lease_expiries.labels(site=name).inc()
@@ -279,21 +290,31 @@ async def _serve_locked(cfg: RunConfig, opts: ServeOptions, clock: StartupClock)
     resumes = _resumes(opts.run_dir)
     # A resume builds neither the model nor the data: θ and the ledger (with its shard sizes)
     # come from the snapshot, so a restart costs the state's size, not the workload's.
-    initial: torch.Tensor | None = None
-    shard_sizes: list[int] | None = None
-    if not resumes:
-        initial, shard_sizes = initial_parameters(cfg), data_shard_sizes(cfg)
-        clock.mark("model and data")
-    controller = RoundController(cfg, initial, shard_sizes, opts.run_dir, sealer)
-    clock.mark("state and replay" if resumes else "controller")
-    if not resumes:
+    fragments = None
+    if cfg.outer.fragments > 1:  # streaming: one round controller per fragment
+        fragments = await open_fragments(
+            cfg, opts.run_dir, sealer, lambda: data_shard_sizes(cfg), lambda: build_model(cfg)
+        )
+        controller = fragments.primary
+        clock.mark("fragments")
+    else:
+        initial: torch.Tensor | None = None
+        shard_sizes: list[int] | None = None
+        if not resumes:
+            initial, shard_sizes = initial_parameters(cfg), data_shard_sizes(cfg)
+            clock.mark("model and data")
+        controller = RoundController(cfg, initial, shard_sizes, opts.run_dir, sealer)
+        clock.mark("state and replay" if resumes else "controller")
+    if not resumes and fragments is None:
         await controller.checkpoint()  # θ_0 on disk: a restart reads it instead of rebuilding the model
         clock.mark("first snapshot")
     # Everything built so far lives as long as the process: out of the collector's sight, a full
     # collection no longer walks torch's hundreds of thousands of objects on the event loop.
     gc.freeze()
     logs.bind(run=cfg.run_id, round=lambda: controller.round)
-    running = await start_server(controller, opts.host, opts.port, security=security, grace_s=opts.grace_s)
+    running = await start_server(
+        controller, opts.host, opts.port, security=security, grace_s=opts.grace_s, fragments=fragments
+    )
     clock.mark("server start")
     metrics: MetricsServer | None = None
     try:

@@ -1,4 +1,11 @@
-"""Thin gRPC servicers: decode, validate the wire, delegate to the round controller.
+"""Thin gRPC servicers: decode, validate the wire, delegate to the round controllers.
+
+A run of ``outer.fragments`` P keeps one round controller per fragment
+(:class:`~geodiloco.coordinator.fragments.FragmentedController`): pushes, pulls and reports are
+routed by the fragment they name (an untrusted count, refused with INVALID_ARGUMENT unless
+0 <= fragment < P, before anything else of the request is read); joins, heartbeats and leaves
+reach every fragment. The last fragment settles the data ledger and speaks for the run in Join's
+old fields, the status and the metrics, so with P = 1 nothing differs from a single controller.
 
 Every refusal is a gRPC status with a message and one log line; nothing a request carries can
 change the run's state unless the whole request is valid. With mTLS, a site acts only as the site
@@ -29,10 +36,11 @@ from geodiloco.coordinator.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
+from geodiloco.coordinator.fragments import FragmentedController
 from geodiloco.coordinator.intake import Intake, PartStream, StagedContribution
 from geodiloco.coordinator.journal import Journal
 from geodiloco.coordinator.metrics import CoordinatorMetrics
-from geodiloco.coordinator.rounds import RoundController
+from geodiloco.coordinator.rounds import RoundController, SiteRecord
 from geodiloco.security.chunks import KeyMismatch, open_delta, seal_update
 from geodiloco.security.policy import Denied, ServerSecurity, is_admin, peer_identity, require_site
 from geodiloco.security.ratelimit import RateLimiter
@@ -90,19 +98,28 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         security: ServerSecurity,
         metrics: CoordinatorMetrics | None = None,
         journal: Journal | None = None,
+        fragments: FragmentedController | None = None,
     ) -> None:
-        self.c = controller
+        """``fragments``: the run's fragment controllers when P > 1 (``controller`` is their
+        primary); by default the run is ``controller``'s one fragment."""
+        self.run = fragments or FragmentedController.single(controller)
+        self.c = self.run.primary
         self.security = security
         self.joins = RateLimiter(controller.cfg.limits.joins_per_minute)
-        self.intake = Intake(
-            controller.uplink,
-            controller.num_params,
-            controller.cfg.compression.chunk_elements,
-            controller.cfg.limits,
-            self._open,
-            controller.run_dir,
-        )
-        self.metrics = metrics or CoordinatorMetrics(controller)
+        self.intakes = [
+            Intake(
+                c.uplink,
+                c.num_params,
+                c.cfg.compression.chunk_elements,
+                c.cfg.limits,
+                self._open,
+                c.run_dir,
+                fragment=p,
+            )
+            for p, c in enumerate(self.run.fragments)
+        ]
+        self.intake = self.intakes[-1]
+        self.metrics = metrics or CoordinatorMetrics(self.c)
         self.journal = journal or Journal(None)
 
     def _count(self, site: str, received: Message | None = None, sent: Message | None = None) -> None:
@@ -166,8 +183,9 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             self._check_join_rate(context)
             self.c.site(request.site)  # a site outside the run is told that first
             self._check_key_proof(request)
-            record = await self.c.join(request.site, request.run_id, request.world_size)
-            self.intake.forget_site(request.site)  # a rejoined site pushes its round afresh
+            record = await self.run.join(request.site, request.run_id, request.world_size)
+            for intake in self.intakes:
+                intake.forget_site(request.site)  # a rejoined site pushes its rounds afresh
             if request.version and request.version != __version__:
                 log.warning(
                     "site %s runs geodiloco %s, coordinator %s", request.site, request.version, __version__
@@ -179,32 +197,39 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 state_hash=self.c.hashes[self.c.round],
                 shard_index=record.shard_index,
                 shard_count=len(self.c.sites),
-                num_params=self.c.num_params,
+                num_params=self.run.num_params,
                 heartbeat_interval_s=self.c.cfg.heartbeat_interval_s,
-                finished=self.c.finished,
+                finished=self.run.finished,
                 data=ranges_to_proto(self.c.data_for(request.site)),
                 key_id=self.security.keyring.site(request.site).key_id if self.security.keyring else 0,
+                fragments=[
+                    outer_sync_pb2.FragmentState(
+                        fragment=p, round=c.round, state_hash=c.hashes[c.round], finished=c.finished
+                    )
+                    for p, c in enumerate(self.run.fragments)
+                ],
             )
 
         return await self._unary("Join", request, context, handle)
 
     async def Heartbeat(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def handle() -> Any:
-            self.c.member(request.site, request.run_id)
+            self.run.member(request.site, request.run_id)
             return outer_sync_pb2.HeartbeatResponse(
-                round=self.c.round, lease_s=self.c.cfg.lease_s, finished=self.c.finished
+                round=self.c.round, lease_s=self.c.cfg.lease_s, finished=self.run.finished
             )
 
         return await self._unary("Heartbeat", request, context, handle)
 
     async def Report(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def handle() -> Any:
+            c = self.run.fragment(request.fragment)
             if request.eval_count and not math.isfinite(request.eval_loss_sum):
                 raise InvalidArgument("eval_loss_sum must be finite")
             limit = self.c.cfg.limits.max_tokens
             if request.eval_count > limit or request.tokens > limit:
                 raise InvalidArgument(f"eval_count or tokens exceeds limits.max_tokens {limit}")
-            ok, expected = await self.c.report(
+            ok, expected = await c.report(
                 request.site,
                 request.run_id,
                 request.round,
@@ -217,6 +242,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 "report",
                 site=request.site,
                 round=request.round,
+                **({"fragment": request.fragment} if self.run.count > 1 else {}),
                 eval_loss_sum=request.eval_loss_sum,
                 eval_count=request.eval_count,
                 train_loss=_finite_or_zero(request.train_loss),
@@ -229,13 +255,14 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
 
     async def Leave(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def handle() -> Any:
-            await self.c.leave(request.site, request.run_id, request.reason)
+            await self.run.leave(request.site, request.run_id, request.reason)
             return outer_sync_pb2.LeaveResponse()
 
         return await self._unary("Leave", request, context, handle)
 
     async def PushDelta(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
         site, round_, fragment, wire_bytes = "", 0, 0, 0
+        c = self.c
         timeout_s = self.c.cfg.limits.chunk_timeout_s
         stream: PartStream | None = None
         started = time.time()
@@ -245,22 +272,23 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 raise InvalidArgument("empty push: no chunks received")
             require_site(self.security, context, first.header.site)
             site, round_, fragment = first.header.site, first.header.round, first.header.fragment
+            c = self.run.fragment(fragment)  # before anything of the push is read or kept
             stream = await self._begin(first)
             chunk = first
-            with self.c.transferring(site):
+            with self.run.transferring(site):
                 while chunk is not None:
                     self._count(site, received=chunk)
                     wire_bytes += chunk.ByteSize()
                     await stream.add(chunk)
                     chunk = await _next_chunk(request_iterator, timeout_s)
                 await stream.drain()
-            outcome = await self._complete(stream)
+            outcome = await self._complete(c, stream)
         except REFUSALS as exc:
             if stream is not None:
                 stream.abandon()
-            self.c.record_rejection(site, exc)
+            c.record_rejection(site, exc)  # a late fragment is counted by its own fragment
             outcome = "late" if isinstance(exc, LateContribution) else "rejected"
-            self._pushed(site, round_, started, wire_bytes, outcome, _status(exc).name)
+            self._pushed(site, round_, fragment, started, wire_bytes, outcome, _status(exc).name)
             await _abort(context, "PushDelta", site, exc)
         except BaseException:  # cancelled (the stream broke): the retry must find the part free
             if stream is not None:
@@ -268,7 +296,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             raise
         assert stream is not None
         duplicate = outcome == "duplicate"
-        self._pushed(site, round_, started, wire_bytes, outcome)
+        self._pushed(site, round_, fragment, started, wire_bytes, outcome)
         if not duplicate:
             self.metrics.push_compressed(site, stream.covered, stream.payload_bytes)
         ack = outer_sync_pb2.PushAck(
@@ -278,13 +306,27 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         return ack
 
     def _pushed(
-        self, site: str, round_: int, started: float, wire_bytes: int, outcome: str, reason: str = ""
+        self,
+        site: str,
+        round_: int,
+        fragment: int,
+        started: float,
+        wire_bytes: int,
+        outcome: str,
+        reason: str = "",
     ) -> None:
         """Metrics and journal for one push stream: a whole contribution accepted, one part of
         it received ("part"), a duplicate, or a refusal (late, rejected)."""
         self.metrics.contribution(site, outcome, reason)
         self.journal.write(
-            "push", site=site, round=round_, t0=started, t1=time.time(), bytes=wire_bytes, outcome=outcome
+            "push",
+            site=site,
+            round=round_,
+            **({"fragment": fragment} if self.run.count > 1 else {}),
+            t0=started,
+            t1=time.time(),
+            bytes=wire_bytes,
+            outcome=outcome,
         )
 
     def _open(self, chunk: Any) -> bytes:
@@ -297,16 +339,19 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         return open_delta(self.security.keyring.site(chunk.header.site).up, chunk)
 
     async def _begin(self, first: Any) -> PartStream:
-        """The stream of this part; a duplicate (already accepted or received) only gets checked."""
+        """The stream of this part (of its fragment); a duplicate (already accepted or received)
+        only gets checked."""
         h = first.header
-        duplicate = self.c.check_push(h.site, h.run_id, h.round)
-        stream = await self.intake.begin(first)  # authenticated before anything of it is kept
-        self.intake.drop_closed(self.c.round)
-        if not duplicate and not self.c.check_push(h.site, h.run_id, h.round):
+        c = self.run.fragment(h.fragment)
+        duplicate = c.check_push(h.site, h.run_id, h.round)
+        intake = self.intakes[h.fragment]
+        stream = await intake.begin(first)  # authenticated before anything of it is kept
+        intake.drop_closed(c.round)
+        if not duplicate and not c.check_push(h.site, h.run_id, h.round):
             stream.open()
         return stream
 
-    async def _complete(self, stream: PartStream) -> str:
+    async def _complete(self, c: RoundController, stream: PartStream) -> str:
         """A part ended whole: "part" (more to come), "duplicate" (an identical repeat; a
         different one is refused), or "accepted" once its contribution is complete, tiles the
         model and is folded by the controller."""
@@ -315,33 +360,37 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             return "part"
         if staged is not None:
             try:
-                staged.check_covered(self.c.num_params)
+                staged.check_covered(c.num_params)
                 h = stream.first.header
-                contribution = StagedContribution(staged, self.intake.pool)
-                accepted = await self.c.contribute(
-                    h.site, h.run_id, h.round, staged.tokens, contribution, staged.data, contribution.digest
+                contribution = StagedContribution(staged, stream.intake.pool)
+                # only the primary fragment's pushes carry the data the site trained on
+                data = staged.data if self.run.settles_data(h.fragment) else None
+                accepted = await c.contribute(
+                    h.site, h.run_id, h.round, staged.tokens, contribution, data, contribution.digest
                 )
             finally:
-                self.intake.release(stream.site, staged)
+                stream.intake.release(stream.site, staged)
             if accepted:
                 return "accepted"
-        stream.check_repeat(self.c.accepted_digest(stream.site, stream.round))
+        stream.check_repeat(c.accepted_digest(stream.site, stream.round))
         return "duplicate"
 
     async def PullUpdate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         kind = request.kind
         requested = time.time()
+        c = self.c
         try:
             require_site(self.security, context, request.site)
             self._count(request.site, received=request)
-            self.c.member(request.site, request.run_id)
+            c = self.run.fragment(request.fragment)
+            c.member(request.site, request.run_id)
             limit = self.c.cfg.limits.max_parts
             if not 0 <= request.part < max(request.parts, 1) <= limit:
                 raise InvalidArgument(
                     f"part {request.part} of {request.parts} is out of range (limits.max_parts {limit})"
                 )
             if kind == outer_sync_pb2.PullRequest.UPDATE:
-                update = await self._wait_for_update(request.round, request.site)
+                update = await self._wait_for_update(c, request.round, request.site)
                 if update is not None:
                     chunks, codec, digest = update.chunks, update.codec, update.state_hash
                     next_round, round_ = update.round + 1, update.round
@@ -350,7 +399,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             elif kind != outer_sync_pb2.PullRequest.FULL_STATE:
                 raise InvalidArgument("PullRequest.kind must be UPDATE or FULL_STATE")
             if kind == outer_sync_pb2.PullRequest.FULL_STATE:
-                state = await self.c.serve_full_state()  # never one a commit has not made durable
+                state = await c.serve_full_state()  # never one a commit has not made durable
                 chunks, codec, digest = state.chunks, state.codec, state.state_hash
                 next_round = round_ = state.round
         except REFUSALS as exc:
@@ -361,13 +410,14 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         mine = [(seq, chunk) for seq, chunk in enumerate(chunks) if seq % parts == request.part]
         if not mine:  # more pullers than chunks: this one gets the stream's facts, no payload
             mine = [(len(chunks), EncodedChunk(0, 0, b""))]
-        with self.c.transferring(request.site):
+        settles = self.run.settles_data(request.fragment)
+        with self.run.transferring(request.site):
             for i, (seq, chunk) in enumerate(mine):
                 message = outer_sync_pb2.UpdateChunk(
                     header=outer_sync_pb2.ChunkHeader(
                         run_id=self.c.cfg.run_id,
                         round=round_,
-                        fragment=0,
+                        fragment=request.fragment,
                         site=request.site,
                         codec=codec,
                         seq=seq,
@@ -380,7 +430,9 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                     total_chunks=len(chunks),
                     finished=next_round >= self.c.cfg.rounds,
                     kind=kind,
-                    data=ranges_to_proto(self.c.data_for(request.site)) if i == len(mine) - 1 else [],
+                    data=ranges_to_proto(self.c.data_for(request.site))
+                    if settles and i == len(mine) - 1
+                    else [],
                 )
                 if keys is not None:
                     seal_update(keys.down, message)
@@ -391,6 +443,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             "pull",
             site=request.site,
             round=round_,
+            **({"fragment": request.fragment} if self.run.count > 1 else {}),
             kind="full_state" if kind == outer_sync_pb2.PullRequest.FULL_STATE else "update",
             t0=requested,
             t_ready=ready,
@@ -398,11 +451,11 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             bytes=sent,
         )
 
-    async def _wait_for_update(self, round_: int, site: str) -> Any:
+    async def _wait_for_update(self, c: RoundController, round_: int, site: str) -> Any:
         """The server's own bound on a pull's wait, whatever deadline the client set."""
-        limit = self.c.cfg.round_timeout_s + 300
+        limit = c.cfg.round_timeout_s + 300
         try:
-            return await asyncio.wait_for(self.c.wait_for_update(round_, site), limit)
+            return await asyncio.wait_for(c.wait_for_update(round_, site), limit)
         except asyncio.TimeoutError:
             raise DeadlineExceeded(f"round {round_} did not commit within {limit:.0f}s; pull again") from None
 
@@ -411,14 +464,19 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     """Status for everyone with a certificate of the run's CA; details and Shutdown for admins."""
 
     def __init__(
-        self, controller: RoundController, on_shutdown: Callable[[float], None], security: ServerSecurity
+        self,
+        controller: RoundController,
+        on_shutdown: Callable[[float], None],
+        security: ServerSecurity,
+        fragments: FragmentedController | None = None,
     ) -> None:
         self.c = controller
         self.on_shutdown = on_shutdown
         self.security = security
+        self.fragments = fragments
 
     async def GetStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        full = status_message(self.c)
+        full = status_message(self.c, self.fragments)
         if is_admin(self.security, context):
             return full
         return admin_pb2.StatusResponse(
@@ -441,27 +499,22 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return admin_pb2.ShutdownResponse()
 
 
-def status_message(c: RoundController) -> Any:
+def status_message(c: RoundController, fragments: FragmentedController | None = None) -> Any:
+    """The run's status from its (last fragment's) controller ``c``; with ``fragments``, a site's
+    refused and late pushes are counted over every fragment, and its hash is ok only when its
+    last report of every fragment matched."""
     now = time.monotonic()
-    sites = [
-        admin_pb2.SiteStatus(
-            site=s.name,
-            state=s.state,
-            last_round=s.last_round,
-            lease_remaining_s=max(0.0, c.cfg.lease_s - (now - s.last_seen)) if s.state == "joined" else 0.0,
-            eval_loss=s.eval_loss,
-            train_loss=s.train_loss,
-            tokens=s.tokens,
-            bytes_in=s.bytes_in,
-            bytes_out=s.bytes_out,
-            accepted=s.accepted,
-            rejected=s.rejected,
-            late=s.late,
-            hash_ok=s.hash_ok,
-            last_report_round=s.last_report_round,
+    run = fragments or FragmentedController.single(c)
+
+    def over_fragments(name: str) -> tuple[int, int, bool]:
+        records = [f.sites[name] for f in run.fragments if name in f.sites]
+        return (
+            sum(r.rejected for r in records),
+            sum(r.late for r in records),
+            all(r.hash_ok for r in records),
         )
-        for s in c.sites.values()
-    ]
+
+    sites = [_site_status(c, s, now, *over_fragments(s.name)) for s in c.sites.values()]
     history = [
         admin_pb2.RoundRecord(
             round=h.round,
@@ -488,7 +541,28 @@ def status_message(c: RoundController) -> Any:
         wan_bytes_out=sum(s.bytes_out for s in c.sites.values()),
         uptime_s=now - c.started,
         phase=c.phase,
-        num_params=c.num_params,
+        num_params=run.num_params,
         data_windows_consumed=c.ledger.progress()[0],
         data_windows_total=c.ledger.progress()[1],
+    )
+
+
+def _site_status(
+    c: RoundController, s: SiteRecord, now: float, rejected: int, late: int, hash_ok: bool
+) -> Any:
+    return admin_pb2.SiteStatus(
+        site=s.name,
+        state=s.state,
+        last_round=s.last_round,
+        lease_remaining_s=max(0.0, c.cfg.lease_s - (now - s.last_seen)) if s.state == "joined" else 0.0,
+        eval_loss=s.eval_loss,
+        train_loss=s.train_loss,
+        tokens=s.tokens,
+        bytes_in=s.bytes_in,
+        bytes_out=s.bytes_out,
+        accepted=s.accepted,
+        rejected=rejected,
+        late=late,
+        hash_ok=hash_ok,
+        last_report_round=s.last_report_round,
     )

@@ -8,7 +8,10 @@ every entry is keyed by canonical parameter names, so a checkpoint of pipeline s
 writing its stage's parameters) loads into a site without stages, and back.
 
 The residual lives on the rank that owns each element; it is saved shaped like the parameters
-(replicas add their disjoint parts together), so any new owner finds its part.
+(replicas add their disjoint parts together), so any new owner finds its part. A run of
+P > 1 fragments keeps one residual per fragment, each over its own parameters: saved the same
+way, side by side. Fragments in flight are landed (:meth:`OuterSync.drain`) before a checkpoint,
+so no fragment is saved half way through its exchange.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +52,7 @@ class CheckpointMeta:
     residual_hash: str  # canonical hash of the error-feedback residual
     ranks: int
     layout: str
+    fragment_tokens: list[int] = field(default_factory=list)  # per fragment, trained since its push
 
 
 def _like_params(model: nn.Module, locals_: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -63,14 +67,16 @@ def _like_params(model: nn.Module, locals_: list[torch.Tensor]) -> dict[str, tor
 
 
 def _residual_pieces(sync: OuterSync) -> list[torch.Tensor]:
-    """The rank's residual laid out like its local pieces (zero where another rank owns)."""
+    """The rank's residual (every fragment's) laid out like its local pieces (zero where another
+    rank owns)."""
     assert sync.shards is not None
     pieces = [torch.zeros_like(p.local, dtype=torch.float32) for p in sync.shards.pieces]
-    at = 0
-    for owned, view in sync.shards.owned_views(pieces):
-        n = owned.segment.numel
-        view.copy_(sync.feedback.residual[at : at + n].view(view.shape))
-        at += n
+    for f in sync.fragments:
+        at = 0
+        for owned, view in f.shards.owned_views([pieces[i] for i in f.members]):
+            n = owned.segment.numel
+            view.copy_(f.feedback.residual[at : at + n].view(view.shape))
+            at += n
     return pieces
 
 
@@ -100,6 +106,7 @@ def save(
 ) -> Path:
     """Write a checkpoint of the site's state now (all ranks call it); keeps the last two."""
     rank = dist.get_rank() if dist.is_initialized() else 0
+    sync.drain()  # no fragment half way through its exchange: its snapshot and residual are whole
     path = directory / f"round-{sync.round:06d}-step-{sync.steps_in_round:04d}"
     state = _state(model, optimizer, sync)
     dcp.save(state, checkpoint_id=str(path))
@@ -113,6 +120,7 @@ def save(
         residual_hash=residual_digest(sync),
         ranks=dist.get_world_size() if dist.is_initialized() else 1,
         layout=layout,
+        fragment_tokens=[f.tokens for f in sync.fragments],
     )
     if rank == 0:
         tmp = path / (META + ".tmp")
@@ -150,13 +158,20 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sync: O
         local_tensor(t).detach().to(torch.float32).reshape(p.local.shape)
         for t, p in zip(state["residual"].values(), shards.pieces, strict=True)
     ]
-    sync.feedback.residual.copy_(shards.gather_owned(residual))
+    for f in sync.fragments:
+        owned = shards if len(sync.fragments) == 1 else f.shards
+        f.feedback.residual.copy_(owned.gather_owned([residual[i] for i in f.members]))
     meta = read_meta(path)
     sync.steps_in_round, sync.tokens_in_round = meta.steps_in_round, meta.tokens_in_round
+    for f, tokens in zip(sync.fragments, meta.fragment_tokens, strict=False):
+        f.tokens = tokens
     sync.data = [DataRange(*d) for d in meta.data]
     return meta
 
 
 def residual_digest(sync: OuterSync) -> str:
-    """Canonical hash of the error-feedback residual, whatever the layout."""
-    return sync.digest(_residual_pieces(sync))
+    """Canonical hash of the error-feedback residual, whatever the layout (with fragments, whose
+    owners may differ from the whole model's, every rank's replicas summed first)."""
+    if len(sync.fragments) == 1:
+        return sync.digest(_residual_pieces(sync))
+    return sync.digest(_residual_like_params(sync))

@@ -99,6 +99,15 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
+class FragmentState:
+    """Where one fragment of the global state stands on the coordinator."""
+
+    round: int  # the fragment's open round
+    state_hash: str  # of the fragment's global values at that round
+    finished: bool
+
+
+@dataclass(frozen=True, slots=True)
 class JoinInfo:
     run_id: str
     run_config_json: str
@@ -111,6 +120,13 @@ class JoinInfo:
     finished: bool
     data: list[DataRange]  # what to train on in `round`
     key_id: int = 0  # the sealing key id the run expects from this site (0: not sealed)
+    # every fragment's state, in order; a coordinator that keeps one fragment may send none
+    fragments: tuple[FragmentState, ...] = ()
+
+    @property
+    def fragment_states(self) -> tuple[FragmentState, ...]:
+        """Every fragment's state (one, from the run's own fields, when the coordinator sent none)."""
+        return self.fragments or (FragmentState(self.round, self.state_hash, self.finished),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,10 +207,11 @@ def delta_messages(
     data: list[DataRange] | None = None,
     part: int = 0,
     parts: int = 1,
+    fragment: int = 0,
 ) -> list[Any]:
     """The PushDelta stream of one part (one rank's owned elements) of a round's pseudo-gradient;
     plain encoded chunks are contiguous ranges."""
-    return list(iter_delta_messages(run_id, site, round_, codec, chunks, tokens, data, part, parts))
+    return list(iter_delta_messages(run_id, site, round_, codec, chunks, tokens, data, part, parts, fragment))
 
 
 def iter_delta_messages(
@@ -207,6 +224,7 @@ def iter_delta_messages(
     data: list[DataRange] | None = None,
     part: int = 0,
     parts: int = 1,
+    fragment: int = 0,
 ) -> Iterator[Any]:
     """:func:`delta_messages`, one message at a time: a sequence that encodes its chunks when
     they are taken is encoded chunk by chunk while the earlier ones are on the wire."""
@@ -217,7 +235,7 @@ def iter_delta_messages(
             header=outer_sync_pb2.ChunkHeader(
                 run_id=run_id,
                 round=round_,
-                fragment=0,
+                fragment=fragment,
                 site=site,
                 codec=codec,
                 seq=seq,
@@ -332,6 +350,7 @@ class OuterSyncClient:
             r.finished,
             ranges_from_proto(r.data),
             r.key_id,
+            tuple(FragmentState(f.round, f.state_hash, f.finished) for f in r.fragments),
         )
 
     def _keys_for(self, run_id: str, key_id: int) -> SiteKeys | None:
@@ -365,6 +384,7 @@ class OuterSyncClient:
         train_loss: float,
         tokens: int,
         compute_seconds: float,
+        fragment: int = 0,
     ) -> Any:
         return self._unary(
             self.stub.Report,
@@ -378,6 +398,7 @@ class OuterSyncClient:
                 train_loss=train_loss,
                 tokens=tokens,
                 compute_seconds=compute_seconds,
+                fragment=fragment,
             ),
         )
 
@@ -401,8 +422,10 @@ class OuterSyncClient:
         timeout_s: float = 600.0,
         part: int = 0,
         parts: int = 1,
+        fragment: int = 0,
     ) -> Any:
-        """Stream one part of a round's pseudo-gradient; retried as a whole (pushes are idempotent).
+        """Stream one part of a round's pseudo-gradient (of one fragment of it); retried as a whole
+        (pushes are idempotent).
 
         ``data`` is what the site trained on; by default the data the coordinator last assigned."""
         data = self.assigned if data is None else data
@@ -412,7 +435,7 @@ class OuterSyncClient:
         def messages() -> Iterator[Any]:  # consumed by gRPC's sender thread: sealing overlaps sending
             sent = 0
             for msg in iter_delta_messages(
-                self.run_id, self.site, round_, codec, chunks, tokens, data, part, parts
+                self.run_id, self.site, round_, codec, chunks, tokens, data, part, parts, fragment
             ):
                 faults.at(self.site, self.rank, round_, sent, "push")  # tests: mid-push faults
                 if self.keys is not None:
@@ -427,7 +450,7 @@ class OuterSyncClient:
             self._count(received=ack)
             return ack
 
-        return self._with_backoff(f"push of round {round_}", attempt)
+        return self._with_backoff(f"push of {_name(fragment, round_)}", attempt)
 
     def pull(
         self,
@@ -436,12 +459,19 @@ class OuterSyncClient:
         timeout_s: float = 900.0,
         part: int = 0,
         parts: int = 1,
+        fragment: int = 0,
     ) -> PulledPart:
         """This puller's share of the update closing ``round_`` (waits for its commit), or of the
         full current state: the chunks with ``seq % parts == part``, opened but not decoded."""
         kind = outer_sync_pb2.PullRequest.FULL_STATE if full_state else outer_sync_pb2.PullRequest.UPDATE
         request = outer_sync_pb2.PullRequest(
-            run_id=self.run_id, site=self.site, round=round_, kind=kind, part=part, parts=parts
+            run_id=self.run_id,
+            site=self.site,
+            round=round_,
+            kind=kind,
+            part=part,
+            parts=parts,
+            fragment=fragment,
         )
 
         def attempt() -> PulledPart:
@@ -458,6 +488,10 @@ class OuterSyncClient:
                     shown = Progress(f"state transfer of round {msg.next_round}", max(1, mine))
                 if shown is not None:
                     shown.advance(note=f"{self.bytes_received:,} bytes received")
+                if msg.header.fragment != fragment:
+                    raise CodecError(
+                        f"asked for fragment {fragment}, the stream carries {msg.header.fragment}"
+                    )
                 if last is not None and _facts(msg) != _facts(last):
                     raise CodecError("an update stream changed its codec, round or size midway")
                 last = msg
@@ -482,7 +516,7 @@ class OuterSyncClient:
                 data=ranges_from_proto(last.data),
             )
 
-        return self._with_backoff(f"pull of round {round_}", attempt)
+        return self._with_backoff(f"pull of {_name(fragment, round_)}", attempt)
 
     def pull_tensor(
         self, round_: int, num_params: int, full_state: bool = False, timeout_s: float = 900.0
@@ -528,6 +562,10 @@ def _round_timeout(run_config_json: str) -> float:
         return float(json.loads(run_config_json).get("round_timeout_s", 0.0))
     except (ValueError, TypeError, AttributeError):  # the config is checked where it is used
         return 0.0
+
+
+def _name(fragment: int, round_: int) -> str:
+    return f"fragment {fragment} round {round_}" if fragment else f"round {round_}"
 
 
 def _facts(msg: Any) -> tuple[str, int, int, str, int]:

@@ -1,9 +1,8 @@
 """The :class:`~geodiloco.site.link.Link` over gRPC: the site's :class:`OuterSyncClient`, with
 its status codes translated into the link's domain errors.
 
-The gRPC coordinator keeps one fragment per run this version (its wire carries a fragment id
-that is always 0): a fragmented run needs the in-process controller until the coordinator
-keeps per-fragment rounds.
+Every push, pull and report names its fragment on the wire; Join answers every fragment's round
+and hash (a coordinator of one fragment may answer only the run's own fields: one fragment).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import grpc
 from geodiloco.compression import EncodedChunk
 from geodiloco.security.tls import TlsFiles
 from geodiloco.site.client import Heartbeater, OuterSyncClient, PulledPart, WireChunk
-from geodiloco.site.link import FragmentState, Joined, LinkError, PushAgain, Resync
+from geodiloco.site.link import Joined, Late, LinkError, PushAgain, Resync
 from geodiloco.workload.data import DataRange
 
 T = TypeVar("T")
@@ -29,7 +28,8 @@ def translate(exc: grpc.RpcError) -> LinkError:
     if code == grpc.StatusCode.ABORTED:
         return PushAgain(detail)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
-        return Resync(detail)
+        # the coordinator's words for a push to a round that closed (LateContribution)
+        return Late(detail) if " is closed; the current round is " in detail else Resync(detail)
     return LinkError(detail)
 
 
@@ -38,13 +38,6 @@ def _call(fn: Callable[[], T]) -> T:
         return fn()
     except grpc.RpcError as exc:
         raise translate(exc) from exc
-
-
-def _only_fragment_zero(fragment: int) -> None:
-    if fragment != 0:
-        raise LinkError(
-            f"fragment {fragment}: the gRPC coordinator keeps one fragment per run (outer.fragments 1)"
-        )
 
 
 class GrpcLink:
@@ -71,7 +64,7 @@ class GrpcLink:
 
     def join(self, world_size: int) -> Joined:
         info = _call(lambda: self.client.join(world_size=world_size))
-        return Joined(info, (FragmentState(info.round, info.state_hash, info.finished),))
+        return Joined(info, info.fragment_states)
 
     def adopt(self, run_id: str, key_id: int) -> None:
         self.client.adopt(run_id, key_id)
@@ -93,22 +86,28 @@ class GrpcLink:
         parts: int,
         timeout_s: float,
     ) -> None:
-        _only_fragment_zero(fragment)
-        if self._heartbeat is not None:
+        if self._heartbeat is not None and data is not None:  # the run's round: the primary fragment's
             self._heartbeat.round = round_
         _call(
             lambda: self.client.push(
-                round_, codec, chunks, tokens, data, timeout_s=timeout_s, part=part, parts=parts
+                round_,
+                codec,
+                chunks,
+                tokens,
+                [] if data is None else data,  # a fragment that does not settle the ledger: none
+                timeout_s=timeout_s,
+                part=part,
+                parts=parts,
+                fragment=fragment,
             )
         )
 
     def pull(
         self, fragment: int, round_: int, *, full_state: bool, part: int, parts: int, timeout_s: float
     ) -> PulledPart:
-        _only_fragment_zero(fragment)
         return _call(
             lambda: self.client.pull(
-                round_, full_state=full_state, timeout_s=timeout_s, part=part, parts=parts
+                round_, full_state=full_state, timeout_s=timeout_s, part=part, parts=parts, fragment=fragment
             )
         )
 
@@ -123,10 +122,9 @@ class GrpcLink:
         tokens: int,
         compute_seconds: float,
     ) -> bool:
-        _only_fragment_zero(fragment)
         response = _call(
             lambda: self.client.report(
-                round_, state_hash, eval_loss_sum, eval_count, train_loss, tokens, compute_seconds
+                round_, state_hash, eval_loss_sum, eval_count, train_loss, tokens, compute_seconds, fragment
             )
         )
         return bool(response.hash_ok)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from geodiloco.compression import EncodedChunk
-from geodiloco.site.client import JoinInfo, PulledPart, WireChunk
+from geodiloco.site.client import FragmentState, JoinInfo, PulledPart, WireChunk
 from geodiloco.workload.data import DataRange
 
 __all__ = [
@@ -49,15 +49,6 @@ class Resync(LinkError):
 
 class Late(Resync):
     """A push for a fragment round that already closed without it: dropped and counted."""
-
-
-@dataclass(frozen=True, slots=True)
-class FragmentState:
-    """Where one fragment of the global state stands on the coordinator."""
-
-    round: int  # the fragment's open round
-    state_hash: str  # of the fragment's global values at that round
-    finished: bool
 
 
 @dataclass(frozen=True, slots=True)

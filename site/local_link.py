@@ -27,8 +27,8 @@ from geodiloco.coordinator.errors import (
 )
 from geodiloco.coordinator.fragments import FragmentedController
 from geodiloco.coordinator.rounds import RoundController
+from geodiloco.fragments import FragmentPlan
 from geodiloco.site.client import JoinInfo, PulledPart, WireChunk, wire_chunk
-from geodiloco.site.fragments import FragmentPlan
 from geodiloco.site.link import FragmentState, Joined, Late, LinkError, PushAgain, Resync
 from geodiloco.workload.data import DataRange
 
@@ -59,7 +59,7 @@ class LocalCoordinator:
         tick_s: float = 0.02,
     ) -> None:
         self.cfg = cfg
-        self.controller = FragmentedController(cfg, initial, shard_sizes, plan)
+        self.controller = FragmentedController.create(cfg, initial, shard_sizes, plan)
         self.loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()
         self._tick_s = tick_s
@@ -126,10 +126,16 @@ class LocalLink:
 
         return self.coordinator.call(guarded(), timeout_s + 5)
 
+    def _fragment(self, index: int) -> RoundController:
+        try:
+            return self.c.fragment(index)
+        except CoordinatorError as exc:
+            raise translate(exc) from exc
+
     def join(self, world_size: int) -> Joined:
         async def join() -> Joined:
             record = await self.c.join(self.site, "", world_size)
-            ledger = self.c.ledger
+            ledger = self.c.primary
             info = JoinInfo(
                 self.c.cfg.run_id,
                 self.c.cfg.to_json(),
@@ -169,7 +175,7 @@ class LocalLink:
         self._beat.start()
 
     async def _heartbeat(self) -> None:
-        self.c.heartbeat(self.site, self.run_id)
+        self.c.member(self.site, self.run_id)
 
     def push(
         self,
@@ -184,7 +190,7 @@ class LocalLink:
         parts: int,
         timeout_s: float,
     ) -> None:
-        c = self.c.fragments[fragment]
+        c = self._fragment(fragment)
         if self._run(self._check(c, round_), timeout_s):
             return  # an idempotent repeat of an accepted push
         pipeline = parse_pipeline(codec)
@@ -231,7 +237,7 @@ class LocalLink:
     def pull(
         self, fragment: int, round_: int, *, full_state: bool, part: int, parts: int, timeout_s: float
     ) -> PulledPart:
-        c = self.c.fragments[fragment]
+        c = self._fragment(fragment)
 
         async def pull() -> PulledPart:
             c.member(self.site, self.run_id)
@@ -262,7 +268,7 @@ class LocalLink:
                 next_round=next_round,
                 state_hash=digest,
                 finished=next_round >= self.c.cfg.rounds,
-                data=self.c.data_for(self.site),
+                data=self.c.data_for(self.site) if self.c.settles_data(fragment) else [],
             )
 
         pulled = self._run(pull(), timeout_s)
@@ -280,7 +286,7 @@ class LocalLink:
         tokens: int,
         compute_seconds: float,
     ) -> bool:
-        c = self.c.fragments[fragment]
+        c = self._fragment(fragment)
         ok, _ = self._run(
             c.report(self.site, self.run_id, round_, state_hash, eval_loss_sum, eval_count, train_loss)
         )

@@ -505,7 +505,7 @@ class OuterSync:
         if len(joined.fragments) != outer.fragments:
             raise RuntimeError(
                 f"the run's outer.fragments is {outer.fragments}, but its coordinator keeps "
-                f"{len(joined.fragments)} fragment(s): this coordinator cannot stream fragments yet"
+                f"{len(joined.fragments)} fragment(s): an older coordinator that cannot stream fragments"
             )
         self.schedule = Schedule(self.config.inner.steps_per_round, outer.fragments, outer.overlap_steps)
         self.states = joined.fragments
@@ -576,13 +576,6 @@ class OuterSync:
     @property
     def shard_count(self) -> int:
         return self.info.shard_count
-
-    @property
-    def feedback(self) -> ErrorFeedback:
-        """The uplink error feedback of an unfragmented run (checkpoints save it)."""
-        if len(self.fragments) != 1:
-            raise NotImplementedError("site checkpoints do not keep a fragmented run's error feedback yet")
-        return self.fragments[0].feedback
 
     def attach(self, model: nn.Module) -> nn.Module:
         """Bring ``model`` (already wrapped for its layout) to the run's current global parameters,

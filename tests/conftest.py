@@ -3,9 +3,14 @@
 - unit (no marker): plain tensors and in-process objects; seconds in all.
 - ``integration``: real gRPC servers and clients over loopback, real torch.distributed
   process groups (gloo) in real processes.
-- ``slow``: long end-to-end runs (many processes, many rounds); run in CI too.
+- ``slow``: long end-to-end runs (many processes, many rounds, tens of seconds); run in CI too.
 
 Select with ``-m "not slow"`` for a quick loop; CI runs everything.
+
+Files run slow first, then integration, then unit (each file's own order kept). `make test`
+hands whole files to two workers in this order (``--dist loadfile --no-loadscope-reorder``):
+the long runs start at once and the short files even out the end, where xdist's default order
+(most tests first) left the minute-long single-test files for last, on one worker.
 """
 
 from __future__ import annotations
@@ -13,4 +18,22 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _tier(item: pytest.Item) -> int:
+    if item.get_closest_marker("slow"):
+        return 0
+    return 1 if item.get_closest_marker("integration") else 2
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tier: dict[Path, int] = {}
+    first: dict[Path, int] = {}
+    for index, item in enumerate(items):
+        first.setdefault(item.path, index)
+        tier[item.path] = min(tier.get(item.path, 2), _tier(item))
+    items.sort(key=lambda item: (tier[item.path], first[item.path]))

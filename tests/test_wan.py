@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -55,6 +56,37 @@ def test_bandwidth_is_limited(coordinator: CoordinatorThread) -> None:
     assert state.values.numel() == coordinator.controller.num_params
     assert client.bytes_received > 20_000
     assert elapsed >= client.bytes_received * 8 / 1e6 * 0.9
+
+
+def test_per_second_counts_show_the_link_rate() -> None:
+    """A sender faster than the link: every whole second of the transfer carries about the
+    link's rate, and the seconds add up to what crossed (benchmarks/wan.py's peak rate)."""
+    with socket.create_server(("127.0.0.1", 0)) as sink:
+        received = bytearray()
+
+        def drain() -> None:
+            conn, _ = sink.accept()
+            with conn:
+                while data := conn.recv(65536):
+                    received.extend(data)
+
+        reader = threading.Thread(target=drain)
+        reader.start()
+        host, port = sink.getsockname()
+        with ProxyThread(f"{host}:{port}", LinkConfig(bandwidth_mbps=2)) as proxy:  # 250 kB/s
+            started = time.monotonic()
+            with socket.create_connection(proxy.address.rsplit(":", 1)) as conn:  # type: ignore[arg-type]
+                conn.sendall(b"x" * 1_000_000)  # about 4 s on the link
+            wait_for(lambda: len(received) == 1_000_000, 30, "the bytes to cross")
+            ended = time.monotonic()
+            whole = proxy.proxy.rate_profile(started, ended)
+            everything = proxy.proxy.rate_profile(started - 1, ended + 1)
+        reader.join(10)
+    assert sum(everything) == 1_000_000
+    # never above the rate (one piece of slack); below it only by the pacing's overhead
+    assert len(whole) >= 3 and all(150_000 <= n <= 250_000 + 1250 for n in whole), whole
+    later = proxy.proxy.rate_profile(ended + 5, ended + 8)
+    assert len(later) >= 2 and not any(later)  # idle seconds count as 0
 
 
 def test_partition_stalls_calls_and_heal_lets_them_through(coordinator: CoordinatorThread) -> None:

@@ -18,21 +18,12 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from geodiloco.builders import build_data, build_loss, build_model, build_optimizer
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.ledger import DataLedger
 from geodiloco.distributed import init_distributed, shutdown_distributed
 from geodiloco.logs import setup_logging
-from geodiloco.workload import (
-    DataShards,
-    build_model,
-    eval_slice,
-    eval_windows,
-    evaluate,
-    inner_step,
-    load_corpus,
-    make_inner_optimizer,
-    rank_batch,
-)
+from geodiloco.workload.steps import evaluate_batches, inner_step
 
 
 @dataclass(slots=True)
@@ -70,19 +61,18 @@ def run(cfg: RunConfig, ranks_per_site: int, out: Path | None) -> None:
             f"{world} ranks / {ranks_per_site} per site is {sites} sites; the config names {len(cfg.sites)}"
         )
     site, local = divmod(rank, ranks_per_site)
-    model = build_model(cfg.model, cfg.seed)
+    # The sites' own builders: the reference GPT, or its mixture of experts with model.experts
+    # (and AdamW that holds unreached experts), from workload.init_weights when one is set.
+    model = build_model(cfg)
     ddp = DDP(model)
     counter = AllReduceCounter()
     ddp.register_comm_hook(counter, counting_allreduce_hook)
-    optimizer = make_inner_optimizer(model, cfg.inner)
-    corpus = load_corpus(cfg.data.paths, cfg.data.max_bytes, cfg.data.eval_fraction)
-    shards = DataShards(corpus, count=cfg.data.shards, seq_len=cfg.model.seq_len, seed=cfg.seed)
+    optimizer = build_optimizer(model, cfg)
+    loss_fn = build_loss(cfg)
+    data = build_data(cfg)
     # The same data, round by round, as a fault-free DiLoCo run: the ledger with every site live.
-    ledger = DataLedger.create(shards.sizes, cfg.sites)
+    ledger = DataLedger.create(data.shard_sizes, cfg.sites)
     me = cfg.sites[site]
-    my_eval = eval_slice(
-        eval_windows(corpus, cfg.data.eval_sequences, cfg.model.seq_len), part=rank, parts=world
-    )
     H = cfg.inner.steps_per_round
     tokens_per_step = cfg.data.batch_size * cfg.model.seq_len * world
     curve: list[dict[str, float]] = []
@@ -91,13 +81,13 @@ def run(cfg: RunConfig, ranks_per_site: int, out: Path | None) -> None:
         if step % H == 0:
             for name in cfg.sites:
                 ledger.reserve(name, H * ranks_per_site * cfg.data.batch_size)
-            windows = shards.windows(ledger.reservations[me])
+            ranges = ledger.reservations[me]
             ledger.settle(step // H, set(cfg.sites))
-        x, y = rank_batch(windows, step % H, local, ranks_per_site, cfg.data.batch_size)
-        inner_step(ddp, optimizer, cfg.inner, step, x, y)
+        batch = data.batch(ranges, step % H, local, ranks_per_site)
+        inner_step(ddp, optimizer, cfg.inner, step, *batch, loss_fn=loss_fn)
         if (step + 1) % H:
             continue
-        eval_sum, eval_count = evaluate(model, my_eval)
+        eval_sum, eval_count = evaluate_batches(model, data.eval_batches(rank, world), loss_fn)
         totals = torch.tensor([eval_sum, float(eval_count)], dtype=torch.float64)
         dist.all_reduce(totals)
         point = {

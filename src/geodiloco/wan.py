@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import signal
 import socket
@@ -171,6 +172,9 @@ class WanProxy:
         self.control_port = 0
         self.bytes_up = 0  # towards the target (the coordinator)
         self.bytes_down = 0
+        # bytes delivered both ways in each whole second of time.monotonic(): the link's rate
+        # over time, whose peak a link must be sized for (benchmarks/wan.py)
+        self.per_second: dict[int, int] = {}
         self.rng = random.Random(link.seed)
         self.healed = asyncio.Event()
         self.healed.set()
@@ -193,6 +197,14 @@ class WanProxy:
             self.bytes_up += n
         else:
             self.bytes_down += n
+        second = int(time.monotonic())
+        self.per_second[second] = self.per_second.get(second, 0) + n
+
+    def rate_profile(self, start: float, end: float) -> list[int]:
+        """Bytes delivered (both ways) in each whole second that lies between the monotonic times
+        ``start`` and ``end``, idle seconds as 0 (partial seconds at either end are left out)."""
+        counts = dict(self.per_second)  # a copy: the proxy's loop may still be adding to it
+        return [counts.get(s, 0) for s in range(math.ceil(start), math.floor(end))]
 
     async def start(self, port: int = 0) -> int:
         self._server = await asyncio.start_server(self._accept, self.listen_host, port)

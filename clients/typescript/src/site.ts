@@ -163,21 +163,27 @@ class Site {
   /** Push (idempotent) and pull round r's update, following §3.1 on every refusal. */
   async exchange(r: number, frames: { start: number; numel: number; frame: Uint8Array }[], tokens: number): Promise<Pulled> {
     let resync = false;
+    let held = false; // the coordinator holds a push of this site for round r: pull only
     for (let attempt = 0; attempt < MAX_EXCHANGES; attempt++) {
       try {
         if (resync) {
           this.adopt(await this.client.join(1, this.secret));
           return await this.fullState();
         }
-        const ack = await this.client.push(r, this.uplink.spec, frames, tokens, this.data, this.pullTimeoutMs);
-        say({ event: "pushed", round: r, duplicate: ack.duplicate, payload_bytes: Number(ack.payload_bytes) });
+        if (!held) {
+          const ack = await this.client.push(r, this.uplink.spec, frames, tokens, this.data, this.pullTimeoutMs);
+          say({ event: "pushed", round: r, duplicate: ack.duplicate, payload_bytes: Number(ack.payload_bytes) });
+          held = true;
+        }
         return await this.client.pull(r, false, this.pullTimeoutMs);
       } catch (err) {
         if (!(err instanceof RpcError)) throw err;
         say({ event: "refused", round: r, code: err.code, details: err.details });
         if (err.code === "FAILED_PRECONDITION") resync = true;
+        else if (err.code === "ALREADY_EXISTS") held = true; // another push of ours counts: give this one up
+        else if (err.code === "ABORTED") held = false; // our contribution was lost: push again
         else if (err.code === "UNAVAILABLE" || err.code === "DEADLINE_EXCEEDED") await sleep(500 * (attempt + 1));
-        else if (err.code !== "ABORTED") throw err; // ABORTED: push again
+        else throw err;
       }
     }
     throw new SiteError(`round ${r}: no update after ${MAX_EXCHANGES} attempts`);

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgeodiloco/v1/outer_sync.proto\x12\x0cgeodiloco.v1\"\xc3\x01\n\x0b\x43hunkHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x03 \x01(\r\x12\x0c\n\x04site\x18\x04 \x01(\t\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x0b\n\x03seq\x18\x06 \x01(\r\x12\r\n\x05start\x18\x07 \x01(\x04\x12\r\n\x05numel\x18\x08 \x01(\x04\x12\r\n\x05nonce\x18\t \x01(\x0c\x12\x0e\n\x06key_id\x18\n \x01(\r\x12\x0c\n\x04rows\x18\x0b \x01(\r\x12\x0e\n\x06stride\x18\x0c \x01(\x04\"E\n\tDataRange\x12\r\n\x05shard\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\r\"w\n\x0bJoinRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x12\n\nstate_hash\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x11\n\tkey_proof\x18\x06 \x01(\x0c\"\xff\x01\n\x0cJoinResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0frun_config_json\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x12\n\nstate_hash\x18\x04 \x01(\t\x12\x13\n\x0bshard_index\x18\x05 \x01(\r\x12\x13\n\x0bshard_count\x18\x06 \x01(\r\x12\x12\n\nnum_params\x18\x07 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x08 \x01(\x01\x12\x10\n\x08\x66inished\x18\t \x01(\x08\x12\x0e\n\x06key_id\x18\n \x01(\r\x12%\n\x04\x64\x61ta\x18\x0b \x03(\x0b\x32\x17.geodiloco.v1.DataRange\"?\n\x10HeartbeatRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\"E\n\x11HeartbeatResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"\xb2\x01\n\nDeltaChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.geodiloco.v1.ChunkHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x14\n\x0ctotal_chunks\x18\x04 \x01(\r\x12%\n\x04\x64\x61ta\x18\x05 \x03(\x0b\x32\x17.geodiloco.v1.DataRange\x12\x0c\n\x04part\x18\x06 \x01(\r\x12\r\n\x05parts\x18\x07 \x01(\r\"T\n\x07PushAck\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x02 \x01(\r\x12\x11\n\tduplicate\x18\x03 \x01(\x08\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x04\"\xbf\x01\n\x0bPullRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12,\n\x04kind\x18\x04 \x01(\x0e\x32\x1e.geodiloco.v1.PullRequest.Kind\x12\x0c\n\x04part\x18\x05 \x01(\r\x12\r\n\x05parts\x18\x06 \x01(\r\"8\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06UPDATE\x10\x01\x12\x0e\n\nFULL_STATE\x10\x02\"\xee\x01\n\x0bUpdateChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.geodiloco.v1.ChunkHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x12\n\nnext_round\x18\x03 \x01(\x04\x12\x12\n\nstate_hash\x18\x04 \x01(\t\x12\x14\n\x0ctotal_chunks\x18\x05 \x01(\r\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12,\n\x04kind\x18\x07 \x01(\x0e\x32\x1e.geodiloco.v1.PullRequest.Kind\x12%\n\x04\x64\x61ta\x18\x08 \x03(\x0b\x32\x17.geodiloco.v1.DataRange\"\xb8\x01\n\rReportRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x12\n\nstate_hash\x18\x04 \x01(\t\x12\x15\n\reval_loss_sum\x18\x05 \x01(\x01\x12\x12\n\neval_count\x18\x06 \x01(\x04\x12\x12\n\ntrain_loss\x18\x07 \x01(\x01\x12\x0e\n\x06tokens\x18\x08 \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\t \x01(\x01\"8\n\x0eReportResponse\x12\x0f\n\x07hash_ok\x18\x01 \x01(\x08\x12\x15\n\rexpected_hash\x18\x02 \x01(\t\"<\n\x0cLeaveRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0f\n\rLeaveResponse2\xa5\x03\n\tOuterSync\x12=\n\x04Join\x12\x19.geodiloco.v1.JoinRequest\x1a\x1a.geodiloco.v1.JoinResponse\x12L\n\tHeartbeat\x12\x1e.geodiloco.v1.HeartbeatRequest\x1a\x1f.geodiloco.v1.HeartbeatResponse\x12>\n\tPushDelta\x12\x18.geodiloco.v1.DeltaChunk\x1a\x15.geodiloco.v1.PushAck(\x01\x12\x44\n\nPullUpdate\x12\x19.geodiloco.v1.PullRequest\x1a\x19.geodiloco.v1.UpdateChunk0\x01\x12\x43\n\x06Report\x12\x1b.geodiloco.v1.ReportRequest\x1a\x1c.geodiloco.v1.ReportResponse\x12@\n\x05Leave\x12\x1a.geodiloco.v1.LeaveRequest\x1a\x1b.geodiloco.v1.LeaveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgeodiloco/v1/outer_sync.proto\x12\x0cgeodiloco.v1\"\xc3\x01\n\x0b\x43hunkHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x03 \x01(\r\x12\x0c\n\x04site\x18\x04 \x01(\t\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x0b\n\x03seq\x18\x06 \x01(\r\x12\r\n\x05start\x18\x07 \x01(\x04\x12\r\n\x05numel\x18\x08 \x01(\x04\x12\r\n\x05nonce\x18\t \x01(\x0c\x12\x0e\n\x06key_id\x18\n \x01(\r\x12\x0c\n\x04rows\x18\x0b \x01(\r\x12\x0e\n\x06stride\x18\x0c \x01(\x04\"E\n\tDataRange\x12\r\n\x05shard\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\r\"w\n\x0bJoinRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x12\n\nstate_hash\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x11\n\tkey_proof\x18\x06 \x01(\x0c\"V\n\rFragmentState\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x12\n\nstate_hash\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\"\xaf\x02\n\x0cJoinResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0frun_config_json\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x12\n\nstate_hash\x18\x04 \x01(\t\x12\x13\n\x0bshard_index\x18\x05 \x01(\r\x12\x13\n\x0bshard_count\x18\x06 \x01(\r\x12\x12\n\nnum_params\x18\x07 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x08 \x01(\x01\x12\x10\n\x08\x66inished\x18\t \x01(\x08\x12\x0e\n\x06key_id\x18\n \x01(\r\x12%\n\x04\x64\x61ta\x18\x0b \x03(\x0b\x32\x17.geodiloco.v1.DataRange\x12.\n\tfragments\x18\x0c \x03(\x0b\x32\x1b.geodiloco.v1.FragmentState\"?\n\x10HeartbeatRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\"E\n\x11HeartbeatResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"\xb2\x01\n\nDeltaChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.geodiloco.v1.ChunkHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x14\n\x0ctotal_chunks\x18\x04 \x01(\r\x12%\n\x04\x64\x61ta\x18\x05 \x03(\x0b\x32\x17.geodiloco.v1.DataRange\x12\x0c\n\x04part\x18\x06 \x01(\r\x12\r\n\x05parts\x18\x07 \x01(\r\"T\n\x07PushAck\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x02 \x01(\r\x12\x11\n\tduplicate\x18\x03 \x01(\x08\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x04\"\xd1\x01\n\x0bPullRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12,\n\x04kind\x18\x04 \x01(\x0e\x32\x1e.geodiloco.v1.PullRequest.Kind\x12\x0c\n\x04part\x18\x05 \x01(\r\x12\r\n\x05parts\x18\x06 \x01(\r\x12\x10\n\x08\x66ragment\x18\x07 \x01(\r\"8\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06UPDATE\x10\x01\x12\x0e\n\nFULL_STATE\x10\x02\"\xee\x01\n\x0bUpdateChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.geodiloco.v1.ChunkHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x12\n\nnext_round\x18\x03 \x01(\x04\x12\x12\n\nstate_hash\x18\x04 \x01(\t\x12\x14\n\x0ctotal_chunks\x18\x05 \x01(\r\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12,\n\x04kind\x18\x07 \x01(\x0e\x32\x1e.geodiloco.v1.PullRequest.Kind\x12%\n\x04\x64\x61ta\x18\x08 \x03(\x0b\x32\x17.geodiloco.v1.DataRange\"\xca\x01\n\rReportRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x12\n\nstate_hash\x18\x04 \x01(\t\x12\x15\n\reval_loss_sum\x18\x05 \x01(\x01\x12\x12\n\neval_count\x18\x06 \x01(\x04\x12\x12\n\ntrain_loss\x18\x07 \x01(\x01\x12\x0e\n\x06tokens\x18\x08 \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\t \x01(\x01\x12\x10\n\x08\x66ragment\x18\n \x01(\r\"8\n\x0eReportResponse\x12\x0f\n\x07hash_ok\x18\x01 \x01(\x08\x12\x15\n\rexpected_hash\x18\x02 \x01(\t\"<\n\x0cLeaveRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0f\n\rLeaveResponse2\xa5\x03\n\tOuterSync\x12=\n\x04Join\x12\x19.geodiloco.v1.JoinRequest\x1a\x1a.geodiloco.v1.JoinResponse\x12L\n\tHeartbeat\x12\x1e.geodiloco.v1.HeartbeatRequest\x1a\x1f.geodiloco.v1.HeartbeatResponse\x12>\n\tPushDelta\x12\x18.geodiloco.v1.DeltaChunk\x1a\x15.geodiloco.v1.PushAck(\x01\x12\x44\n\nPullUpdate\x12\x19.geodiloco.v1.PullRequest\x1a\x19.geodiloco.v1.UpdateChunk0\x01\x12\x43\n\x06Report\x12\x1b.geodiloco.v1.ReportRequest\x1a\x1c.geodiloco.v1.ReportResponse\x12@\n\x05Leave\x12\x1a.geodiloco.v1.LeaveRequest\x1a\x1b.geodiloco.v1.LeaveResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,30 +37,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DATARANGE']._serialized_end=314
   _globals['_JOINREQUEST']._serialized_start=316
   _globals['_JOINREQUEST']._serialized_end=435
-  _globals['_JOINRESPONSE']._serialized_start=438
-  _globals['_JOINRESPONSE']._serialized_end=693
-  _globals['_HEARTBEATREQUEST']._serialized_start=695
-  _globals['_HEARTBEATREQUEST']._serialized_end=758
-  _globals['_HEARTBEATRESPONSE']._serialized_start=760
-  _globals['_HEARTBEATRESPONSE']._serialized_end=829
-  _globals['_DELTACHUNK']._serialized_start=832
-  _globals['_DELTACHUNK']._serialized_end=1010
-  _globals['_PUSHACK']._serialized_start=1012
-  _globals['_PUSHACK']._serialized_end=1096
-  _globals['_PULLREQUEST']._serialized_start=1099
-  _globals['_PULLREQUEST']._serialized_end=1290
-  _globals['_PULLREQUEST_KIND']._serialized_start=1234
-  _globals['_PULLREQUEST_KIND']._serialized_end=1290
-  _globals['_UPDATECHUNK']._serialized_start=1293
-  _globals['_UPDATECHUNK']._serialized_end=1531
-  _globals['_REPORTREQUEST']._serialized_start=1534
-  _globals['_REPORTREQUEST']._serialized_end=1718
-  _globals['_REPORTRESPONSE']._serialized_start=1720
-  _globals['_REPORTRESPONSE']._serialized_end=1776
-  _globals['_LEAVEREQUEST']._serialized_start=1778
-  _globals['_LEAVEREQUEST']._serialized_end=1838
-  _globals['_LEAVERESPONSE']._serialized_start=1840
-  _globals['_LEAVERESPONSE']._serialized_end=1855
-  _globals['_OUTERSYNC']._serialized_start=1858
-  _globals['_OUTERSYNC']._serialized_end=2279
+  _globals['_FRAGMENTSTATE']._serialized_start=437
+  _globals['_FRAGMENTSTATE']._serialized_end=523
+  _globals['_JOINRESPONSE']._serialized_start=526
+  _globals['_JOINRESPONSE']._serialized_end=829
+  _globals['_HEARTBEATREQUEST']._serialized_start=831
+  _globals['_HEARTBEATREQUEST']._serialized_end=894
+  _globals['_HEARTBEATRESPONSE']._serialized_start=896
+  _globals['_HEARTBEATRESPONSE']._serialized_end=965
+  _globals['_DELTACHUNK']._serialized_start=968
+  _globals['_DELTACHUNK']._serialized_end=1146
+  _globals['_PUSHACK']._serialized_start=1148
+  _globals['_PUSHACK']._serialized_end=1232
+  _globals['_PULLREQUEST']._serialized_start=1235
+  _globals['_PULLREQUEST']._serialized_end=1444
+  _globals['_PULLREQUEST_KIND']._serialized_start=1388
+  _globals['_PULLREQUEST_KIND']._serialized_end=1444
+  _globals['_UPDATECHUNK']._serialized_start=1447
+  _globals['_UPDATECHUNK']._serialized_end=1685
+  _globals['_REPORTREQUEST']._serialized_start=1688
+  _globals['_REPORTREQUEST']._serialized_end=1890
+  _globals['_REPORTRESPONSE']._serialized_start=1892
+  _globals['_REPORTRESPONSE']._serialized_end=1948
+  _globals['_LEAVEREQUEST']._serialized_start=1950
+  _globals['_LEAVEREQUEST']._serialized_end=2010
+  _globals['_LEAVERESPONSE']._serialized_start=2012
+  _globals['_LEAVERESPONSE']._serialized_end=2027
+  _globals['_OUTERSYNC']._serialized_start=2030
+  _globals['_OUTERSYNC']._serialized_end=2451
 # @@protoc_insertion_point(module_scope)

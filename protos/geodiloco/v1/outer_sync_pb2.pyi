@@ -50,6 +50,7 @@ class ChunkHeader(_message.Message):
     run_id: _builtins.str
     round: _builtins.int
     fragment: _builtins.int
+    """with P > 1 fragments, start/numel/stride are positions in this fragment's own vector"""
     site: _builtins.str
     codec: _builtins.str
     """pipeline spec, e.g. "q8|zstd:3" """
@@ -161,7 +162,45 @@ class JoinRequest(_message.Message):
 Global___JoinRequest: _TypeAlias = JoinRequest  # noqa: Y015
 
 @_typing.final
+class FragmentState(_message.Message):
+    """Where one fragment of the global parameters stands (Streaming DiLoCo: outer.fragments P > 1
+    splits the canonical vector into P fragments, each with its own rounds and hash chain).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FRAGMENT_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    STATE_HASH_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
+    fragment: _builtins.int
+    round: _builtins.int
+    """the fragment's open round"""
+    state_hash: _builtins.str
+    """hash of the fragment's global values at the start of `round`"""
+    finished: _builtins.bool
+    def __init__(
+        self,
+        *,
+        fragment: _builtins.int = ...,
+        round: _builtins.int = ...,
+        state_hash: _builtins.str = ...,
+        finished: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "fragment", b"fragment", "round", b"round", "state_hash", b"state_hash"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FragmentState: _TypeAlias = FragmentState  # noqa: Y015
+
+@_typing.final
 class JoinResponse(_message.Message):
+    """With P > 1 fragments, `round`, `state_hash` and `finished` are those of the last fragment
+    (merged at the end of every round, it settles the data ledger); with P = 1, of the only one.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_ID_FIELD_NUMBER: _builtins.int
@@ -175,6 +214,7 @@ class JoinResponse(_message.Message):
     FINISHED_FIELD_NUMBER: _builtins.int
     KEY_ID_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    FRAGMENTS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     run_config_json: _builtins.str
     """the run's configuration, authoritative for every site"""
@@ -193,6 +233,10 @@ class JoinResponse(_message.Message):
     def data(self) -> _containers.RepeatedCompositeFieldContainer[Global___DataRange]:
         """what to train on in `round`"""
 
+    @_builtins.property
+    def fragments(self) -> _containers.RepeatedCompositeFieldContainer[Global___FragmentState]:
+        """every fragment, in order (empty from old coordinators: one)"""
+
     def __init__(
         self,
         *,
@@ -207,10 +251,11 @@ class JoinResponse(_message.Message):
         finished: _builtins.bool = ...,
         key_id: _builtins.int = ...,
         data: _abc.Iterable[Global___DataRange] | None = ...,
+        fragments: _abc.Iterable[Global___FragmentState] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "finished", b"finished", "heartbeat_interval_s", b"heartbeat_interval_s", "key_id", b"key_id", "num_params", b"num_params", "round", b"round", "run_config_json", b"run_config_json", "run_id", b"run_id", "shard_count", b"shard_count", "shard_index", b"shard_index", "state_hash", b"state_hash"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "finished", b"finished", "fragments", b"fragments", "heartbeat_interval_s", b"heartbeat_interval_s", "key_id", b"key_id", "num_params", b"num_params", "round", b"round", "run_config_json", b"run_config_json", "run_id", b"run_id", "shard_count", b"shard_count", "shard_index", b"shard_index", "state_hash", b"state_hash"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -373,6 +418,7 @@ class PullRequest(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     PART_FIELD_NUMBER: _builtins.int
     PARTS_FIELD_NUMBER: _builtins.int
+    FRAGMENT_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     site: _builtins.str
     round: _builtins.int
@@ -381,6 +427,8 @@ class PullRequest(_message.Message):
     """send only the chunks with seq % parts == part (one puller per rank)"""
     parts: _builtins.int
     """0 means 1: every chunk"""
+    fragment: _builtins.int
+    """which fragment's round or state (0 <= fragment < outer.fragments)"""
     def __init__(
         self,
         *,
@@ -390,10 +438,11 @@ class PullRequest(_message.Message):
         kind: Global___PullRequest.Kind.ValueType = ...,
         part: _builtins.int = ...,
         parts: _builtins.int = ...,
+        fragment: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "part", b"part", "parts", b"parts", "round", b"round", "run_id", b"run_id", "site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fragment", b"fragment", "kind", b"kind", "part", b"part", "parts", b"parts", "round", b"round", "run_id", b"run_id", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -459,6 +508,7 @@ class ReportRequest(_message.Message):
     TRAIN_LOSS_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
     COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
+    FRAGMENT_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     site: _builtins.str
     round: _builtins.int
@@ -475,6 +525,8 @@ class ReportRequest(_message.Message):
     """tokens trained on during the round"""
     compute_seconds: _builtins.float
     """wall time of the inner steps"""
+    fragment: _builtins.int
+    """the fragment whose round closed (`state_hash` is of it alone)"""
     def __init__(
         self,
         *,
@@ -487,10 +539,11 @@ class ReportRequest(_message.Message):
         train_loss: _builtins.float = ...,
         tokens: _builtins.int = ...,
         compute_seconds: _builtins.float = ...,
+        fragment: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_seconds", b"compute_seconds", "eval_count", b"eval_count", "eval_loss_sum", b"eval_loss_sum", "round", b"round", "run_id", b"run_id", "site", b"site", "state_hash", b"state_hash", "tokens", b"tokens", "train_loss", b"train_loss"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_seconds", b"compute_seconds", "eval_count", b"eval_count", "eval_loss_sum", b"eval_loss_sum", "fragment", b"fragment", "round", b"round", "run_id", b"run_id", "site", b"site", "state_hash", b"state_hash", "tokens", b"tokens", "train_loss", b"train_loss"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
