@@ -17,6 +17,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -209,25 +210,27 @@ class RoundController:
 
     def _replay(self) -> int:
         """Apply the rounds logged after the snapshot, each checked against the hash chain;
-        returns how many."""
+        returns how many. The next round's file is read while this one is applied."""
         assert self.run_dir is not None
-        replayed = 0
-        for r in logged_rounds(self.run_dir):
-            if r < self.round:
-                continue
-            if r != self.round:
-                raise CorruptStateError(f"{self.run_dir}: round {self.round} is not logged, but round {r} is")
-            update = read_update(self.run_dir, r, self.sealer)
-            assert update is not None
-            if update.run_id != self.cfg.run_id:
-                raise StateError(
-                    f"the state in {self.run_dir} belongs to run {update.run_id!r}, not {self.cfg.run_id!r}"
-                )
-            if update.base_hash != self.hashes[r]:
-                raise CorruptStateError(f"{self.run_dir}: the update of round {r} does not start from θ_{r}")
-            self._apply_logged(update)
-            replayed += 1
-        return replayed
+        run_dir, rounds = self.run_dir, [r for r in logged_rounds(self.run_dir) if r >= self.round]
+        with ThreadPoolExecutor(1, thread_name_prefix="replay-read") as reader:
+            ahead = [reader.submit(read_update, run_dir, r, self.sealer) for r in rounds[:1]]  # in flight
+            for i, r in enumerate(rounds):
+                update = ahead.pop().result()
+                ahead += [reader.submit(read_update, run_dir, n, self.sealer) for n in rounds[i + 1 : i + 2]]
+                self._replay_one(r, update)
+        return len(rounds)
+
+    def _replay_one(self, r: int, update: LoggedUpdate | None) -> None:
+        if r != self.round or update is None:
+            raise CorruptStateError(f"{self.run_dir}: round {self.round} is not logged, but round {r} is")
+        if update.run_id != self.cfg.run_id:
+            raise StateError(
+                f"the state in {self.run_dir} belongs to run {update.run_id!r}, not {self.cfg.run_id!r}"
+            )
+        if update.base_hash != self.hashes[r]:
+            raise CorruptStateError(f"{self.run_dir}: the update of round {r} does not start from θ_{r}")
+        self._apply_logged(update)
 
     def _apply_logged(self, update: LoggedUpdate) -> None:
         r = update.round
