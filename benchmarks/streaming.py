@@ -45,6 +45,7 @@ MODES = [  # (mode, fragments P, overlap_steps τ, mix_alpha α)
     ("streaming", 2, 1, 0.5),
     ("streaming", 4, 1, 0.5),
     ("streaming", 4, 1, 0.0),
+    ("streaming", 2, LONGEST, 0.5),  # benchmarks/wan.py's streaming row with --fragments 2
 ]
 SMOKE_MODES = [MODES[0], MODES[3]]  # blocking; P=2, τ=1
 
