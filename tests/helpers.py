@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.ledger import ConsumedRecord, check_exactly_once
@@ -56,6 +57,34 @@ def tiny_config(**overrides: Any) -> RunConfig:
             node = node.setdefault(part, {})
         node[leaf] = value
     return RunConfig.from_dict(data)
+
+
+def streaming_config(fragments: int = 1, overlap: int = 0, **overrides: Any) -> RunConfig:
+    """tiny_config with a streaming schedule: P fragments, τ steps of overlap, α = 0.5."""
+    settings: dict[str, Any] = {
+        "rounds": 3,
+        "inner__steps_per_round": 4,
+        "outer__fragments": fragments,
+        "outer__overlap_steps": overlap,
+        "outer__mix_alpha": 0.5,
+        "lease_s": 30.0,
+        **overrides,
+    }
+    return tiny_config(**settings)
+
+
+class Blocks(nn.Module):
+    """Four numbered blocks and a head, the same values in every instance (θ_0): a model whose
+    fragment plan has several layers to stride over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 2)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
 
 
 PLAINTEXT = ServerSecurity(tls=None, keyring=None)

@@ -33,7 +33,7 @@ from geodiloco.site.grpc_link import GrpcLink
 from geodiloco.site.outer_sync import OuterSync
 from geodiloco.status import fetch_status
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
-from helpers import PLAINTEXT, tiny_config
+from helpers import PLAINTEXT, Blocks, streaming_config
 
 pytestmark = pytest.mark.integration
 T = TypeVar("T")
@@ -41,30 +41,8 @@ TOKENS = 100
 SHARDS = [10_000, 10_000]  # the config's two data shards
 
 
-class Blocks(nn.Module):
-    """Four numbered blocks and a head, the same values in every instance (θ_0)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
-        self.head = nn.Linear(8, 2)
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen))
-
-
 def config(fragments: int = 2, overlap: int = 1, **overrides: object) -> RunConfig:
-    settings: dict[str, object] = {
-        "rounds": 3,
-        "inner__steps_per_round": 4,
-        "outer__fragments": fragments,
-        "outer__overlap_steps": overlap,
-        "outer__mix_alpha": 0.5,
-        "lease_s": 30.0,
-        **overrides,
-    }
-    return tiny_config(**settings)
+    return streaming_config(fragments, overlap, **overrides)
 
 
 def fragmented(cfg: RunConfig, run_dir: Path | None = None) -> FragmentedController:

@@ -18,36 +18,13 @@ from geodiloco.params import canonical_parameters, flatten_parameters, state_has
 from geodiloco.site.fragments import FragmentPlan
 from geodiloco.site.local_link import LocalCoordinator
 from geodiloco.site.outer_sync import CATCH_UP_ROUNDS, OuterSync
-from helpers import tiny_config
+from helpers import Blocks, streaming_config
 
 TOKENS = 100
 
 
-class Blocks(nn.Module):
-    """Four numbered blocks and a head: enough to split into fragments. Every instance holds the
-    same values (sites start from the coordinator's θ_0, as real sites do)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
-        self.head = nn.Linear(8, 2)
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen))
-
-
 def config(fragments: int = 1, overlap: int = 0, **overrides: object) -> RunConfig:
-    settings: dict[str, object] = {
-        "rounds": 3,
-        "inner__steps_per_round": 4,
-        "outer__fragments": fragments,
-        "outer__overlap_steps": overlap,
-        "outer__mix_alpha": 0.5,
-        "lease_s": 30.0,
-        **overrides,
-    }
-    return tiny_config(**settings)
+    return streaming_config(fragments, overlap, **overrides)
 
 
 def coordinator_for(cfg: RunConfig) -> LocalCoordinator:
