@@ -73,6 +73,11 @@ def streaming_config(fragments: int = 1, overlap: int = 0, **overrides: Any) -> 
     return tiny_config(**settings)
 
 
+def global_snapshot(sync: Any) -> torch.Tensor:
+    """A site's copy of the global parameters (its OuterSync's snapshot), as one flat vector."""
+    return torch.cat([t.reshape(-1) for t in sync.snapshot])
+
+
 class Blocks(nn.Module):
     """Four numbered blocks and a head, the same values in every instance (θ_0): a model whose
     fragment plan has several layers to stride over."""

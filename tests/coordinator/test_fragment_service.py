@@ -33,7 +33,7 @@ from geodiloco.site.grpc_link import GrpcLink
 from geodiloco.site.outer_sync import OuterSync
 from geodiloco.status import fetch_status
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
-from helpers import PLAINTEXT, Blocks, streaming_config
+from helpers import PLAINTEXT, Blocks, global_snapshot, streaming_config
 
 pytestmark = pytest.mark.integration
 T = TypeVar("T")
@@ -232,10 +232,6 @@ def run_sites(
     return out
 
 
-def snapshot(sync: OuterSync) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in sync.snapshot])
-
-
 @pytest.mark.parametrize(("fragments", "overlap"), [(2, 1), (2, 0)])
 def test_sites_stream_fragments_over_grpc_and_hashes_agree(fragments: int, overlap: int) -> None:
     cfg = config(fragments, overlap)
@@ -248,7 +244,7 @@ def test_sites_stream_fragments_over_grpc_and_hashes_agree(fragments: int, overl
             assert all(h.hashes_agree and len(h.hash_reports) == 2 for h in c.history)
         theta = server.call(_theta(run))
         for sync in out.values():
-            assert torch.equal(snapshot(sync), theta)
+            assert torch.equal(global_snapshot(sync), theta)
         consumed = [row for h in run.primary.history for row in h.data]
         assert len(consumed) == len({tuple(row[1:]) for row in consumed}) > 0  # each window once
 
@@ -273,7 +269,7 @@ def test_sealed_fragments_over_mutual_tls_agree(tmp_path: Path) -> None:
             len(c.history) == cfg.rounds and all(h.hashes_agree for h in c.history) for c in run.fragments
         )
         theta = server.call(_theta(run))
-        assert all(torch.equal(snapshot(s), theta) for s in out.values())
+        assert all(torch.equal(global_snapshot(s), theta) for s in out.values())
 
 
 async def _theta(run: FragmentedController) -> torch.Tensor:
@@ -304,7 +300,7 @@ def test_a_late_fragment_is_dropped_counted_and_caught_up_over_grpc() -> None:
         assert status["site-b"].late == run.late("site-b") and status["site-b"].hash_ok  # every fragment's
         assert c0.history[1].contributors == ["site-a"]
         theta = server.call(_theta(run))
-        assert all(torch.equal(snapshot(s), theta) for s in out.values())
+        assert all(torch.equal(global_snapshot(s), theta) for s in out.values())
         assert all(h.hashes_agree for c in run.fragments for h in c.history)
 
 

@@ -18,7 +18,7 @@ from geodiloco.params import canonical_parameters, flatten_parameters, state_has
 from geodiloco.site.fragments import FragmentPlan
 from geodiloco.site.local_link import LocalCoordinator
 from geodiloco.site.outer_sync import CATCH_UP_ROUNDS, OuterSync
-from helpers import Blocks, streaming_config
+from helpers import Blocks, global_snapshot, streaming_config
 
 TOKENS = 100
 
@@ -57,15 +57,11 @@ def train(coordinator: LocalCoordinator, name: str, out: dict[str, object], hook
             before = flatten_parameters(model)
             if sync.step(tokens=TOKENS):
                 sync.report(1.0, 1, 0.5, 0.01)
-            merges.append((before, flatten_parameters(model), _snapshot(sync)))
+            merges.append((before, flatten_parameters(model), global_snapshot(sync)))
             step += 1
     finally:
         sync.close()
     out[name] = {"sync": sync, "model": model, "merges": merges, "reloaded": reloaded}
-
-
-def _snapshot(sync: OuterSync) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in sync.snapshot])
 
 
 def run_sites(coordinator: LocalCoordinator, hooks: dict[str, Hook] | None = None) -> dict[str, dict]:
@@ -109,7 +105,7 @@ def test_streaming_fragments_commit_and_agree(fragments: int, overlap: int) -> N
             assert all(len(h.hash_reports) == 2 for h in c.history)
         theta = coordinator.controller.theta()
         for site in out.values():
-            assert torch.equal(_snapshot(site["sync"]), theta)  # one rank: pieces in canonical order
+            assert torch.equal(global_snapshot(site["sync"]), theta)  # one rank: pieces in canonical order
             assert site["sync"].bytes_sent > 0 and site["sync"].bytes_received > 0
 
 
@@ -164,8 +160,8 @@ def test_late_fragment_is_dropped_counted_and_caught_up(
         assert caught_up == (behind <= CATCH_UP_ROUNDS)  # else the fragment's full state
         assert c0.history[1].contributors == ["site-a"]
         theta = coordinator.controller.theta()
-        assert torch.equal(_snapshot(out["site-b"]["sync"]), theta)
-        assert torch.equal(_snapshot(out["site-a"]["sync"]), theta)
+        assert torch.equal(global_snapshot(out["site-b"]["sync"]), theta)
+        assert torch.equal(global_snapshot(out["site-a"]["sync"]), theta)
         assert all(h.hashes_agree for c in coordinator.controller.fragments for h in c.history)
 
 
@@ -199,4 +195,4 @@ def test_a_lost_push_is_pushed_again(fragments: int, overlap: int, caplog: pytes
         for c in coordinator.controller.fragments:
             assert all(h.contributors == ["site-a", "site-b"] and h.hashes_agree for h in c.history)
         theta = coordinator.controller.theta()
-        assert all(torch.equal(_snapshot(site["sync"]), theta) for site in out.values())
+        assert all(torch.equal(global_snapshot(site["sync"]), theta) for site in out.values())

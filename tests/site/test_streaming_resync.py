@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from test_link_local import _snapshot, config, coordinator_for, run_sites
+from test_link_local import config, coordinator_for, run_sites
 
 from geodiloco.site.link import Resync
 from geodiloco.site.local_link import LocalCoordinator
+from helpers import global_snapshot
 
 
 class ForgetsTheSite:
@@ -48,4 +49,4 @@ def test_a_forgotten_site_pushes_its_open_fragment_round_again() -> None:
         for c in coordinator.controller.fragments:
             assert all(h.contributors == ["site-a", "site-b"] and h.hashes_agree for h in c.history)
         theta = coordinator.controller.theta()
-        assert all(torch.equal(_snapshot(site["sync"]), theta) for site in out.values())
+        assert all(torch.equal(global_snapshot(site["sync"]), theta) for site in out.values())
