@@ -9,7 +9,9 @@ parameter of the case's size (``workload.model = scale:build_flat_model``), and 
 site process per site. A synthetic site trains nothing: each round it pushes a seeded
 pseudo-gradient through the real client (encoded chunk by chunk as the stream sends it),
 pulls the committed update, decodes it and adds and hashes it chunk by chunk as a site
-applies it. Every byte crosses the real client, wire, coordinator and durable state.
+applies it. Every byte crosses the real client, wire, coordinator and durable state. The sites
+run at a lower CPU priority than the coordinator and the probe (nice +10): in a deployment they
+run on machines of their own, not on the coordinator's two cores.
 
 Per case, over the measured rounds (the first is left out):
 - ``overhead_s``: median time between consecutive round ends (the sites compute nothing, so
@@ -59,6 +61,7 @@ HERE = Path(__file__).resolve().parent
 CODEC = "q8|zstd:1"
 CHUNK = 1 << 20
 PROBE_S = 0.05
+SITE_NICENESS = 10  # relative to the coordinator and the probe (see site_main)
 
 
 class FlatModel(nn.Module):
@@ -121,6 +124,10 @@ class SeededDelta(LazyChunks):
 
 
 def site_main(args: argparse.Namespace) -> None:
+    # In a deployment every site has its own machines; here they share the coordinator's cores.
+    # A lower priority keeps their CPU from counting as the coordinator's stall: they still get
+    # every cycle the coordinator does not use.
+    os.nice(SITE_NICENESS)
     client = OuterSyncClient(args.target, args.site)
     info = client.join()
     beat = Heartbeater(client, info.heartbeat_interval_s)

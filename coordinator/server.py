@@ -18,7 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from geodiloco import logs
-from geodiloco.builders import build_data, build_model
+from geodiloco.builders import build_data, build_model, check_workload_sized
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.durable import STATE_FILE, STATE_LABEL
 from geodiloco.coordinator.fragments import FragmentedController, open_fragments
@@ -103,6 +103,13 @@ class ServeOptions:
 def data_shard_sizes(cfg: RunConfig) -> list[int]:
     """Items per data shard, for the ledger, from the run's data builder (as the sites read it)."""
     return build_data(cfg).shard_sizes
+
+
+def _checked_model(cfg: RunConfig) -> torch.nn.Module:
+    """The run's model, once the workload's dry step passed (a fresh start of P > 1)."""
+    model = build_model(cfg)
+    check_workload_sized(cfg, sum(p.numel() for p in model.parameters()))
+    return model
 
 
 def initial_parameters(cfg: RunConfig) -> torch.Tensor:
@@ -290,10 +297,13 @@ async def _serve_locked(cfg: RunConfig, opts: ServeOptions, clock: StartupClock)
     resumes = _resumes(opts.run_dir)
     # A resume builds neither the model nor the data: θ and the ledger (with its shard sizes)
     # come from the snapshot, so a restart costs the state's size, not the workload's.
+    # A fresh start takes the workload's dry step once θ_0 is built (its size decides where the
+    # step runs): a builder mismatch is a config error here, not in a site's rank. A resume was
+    # checked when its run began.
     fragments = None
     if cfg.outer.fragments > 1:  # streaming: one round controller per fragment
         fragments = await open_fragments(
-            cfg, opts.run_dir, sealer, lambda: data_shard_sizes(cfg), lambda: build_model(cfg)
+            cfg, opts.run_dir, sealer, lambda: data_shard_sizes(cfg), lambda: _checked_model(cfg)
         )
         controller = fragments.primary
         clock.mark("fragments")
@@ -303,7 +313,10 @@ async def _serve_locked(cfg: RunConfig, opts: ServeOptions, clock: StartupClock)
         if not resumes:
             initial, shard_sizes = initial_parameters(cfg), data_shard_sizes(cfg)
             clock.mark("model and data")
+            check_workload_sized(cfg, initial.numel())
+            clock.mark("dry step")
         controller = RoundController(cfg, initial, shard_sizes, opts.run_dir, sealer)
+        del initial  # the controller holds its own θ: this copy would live as long as the server
         clock.mark("state and replay" if resumes else "controller")
     if not resumes and fragments is None:
         await controller.checkpoint()  # θ_0 on disk: a restart reads it instead of rebuilding the model

@@ -44,8 +44,8 @@ from geodiloco.coordinator.rounds import RoundController, SiteRecord
 from geodiloco.security.chunks import KeyMismatch, open_delta, seal_update
 from geodiloco.security.policy import Denied, ServerSecurity, is_admin, peer_identity, require_site
 from geodiloco.security.ratelimit import RateLimiter
-from geodiloco.security.sealing import SealError
-from geodiloco.security.wire import MalformedRequest
+from geodiloco.security.sealing import Sealer, SealError
+from geodiloco.security.wire import MalformedRequest, wire_size
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
 from geodiloco.wire import PUSHER_KEY, ranges_to_proto
 
@@ -82,13 +82,42 @@ async def _abort(context: grpc.aio.ServicerContext, rpc: str, site: str, exc: Ex
 async def _next_chunk(chunks: AsyncIterator[Any], timeout_s: float) -> Any:
     """The next message of a push, or None at its end; a stalled stream is abandoned."""
     try:
-        return await asyncio.wait_for(anext(chunks), timeout_s)
+        async with asyncio.timeout(timeout_s):  # no task per chunk, as wait_for would make
+            return await anext(chunks)
     except StopAsyncIteration:
         return None
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise DeadlineExceeded(
             f"no chunk for {timeout_s:.0f}s (limits.chunk_timeout_s); push abandoned"
         ) from None
+
+
+_PAYLOAD_TAG = bytes([outer_sync_pb2.UpdateChunk.PAYLOAD_FIELD_NUMBER << 3 | 2])  # length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _with_payload(head: Any, payload: bytes) -> bytes:
+    """``head`` (an UpdateChunk without payload) encoded with ``payload`` appended as its field.
+    Parsers take fields in any order; the payload is copied once, where building the message,
+    measuring it and serializing it copied it three times, on the event loop."""
+    if not payload:
+        return bytes(head.SerializeToString())
+    return b"".join((head.SerializeToString(), _PAYLOAD_TAG, _varint(len(payload)), payload))
+
+
+def _sealed(sealer: Sealer, head: Any, payload: bytes) -> bytes:
+    """``head`` with ``payload`` sealed for its receiver, encoded (a worker thread)."""
+    head.payload = payload
+    seal_update(sealer, head)
+    return bytes(head.SerializeToString())
 
 
 class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
@@ -283,8 +312,9 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             chunk = first
             with self.run.transferring(site):
                 while chunk is not None:
-                    self._count(site, received=chunk)
-                    wire_bytes += chunk.ByteSize()
+                    size = wire_size(request_iterator, chunk)
+                    self.c.count_bytes(site, received=size)
+                    wire_bytes += size
                     await stream.add(chunk)
                     chunk = await _next_chunk(request_iterator, timeout_s)
                 await stream.drain()
@@ -428,7 +458,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         settles = self.run.settles_data(request.fragment)
         with self.run.transferring(request.site):
             for i, (seq, chunk) in enumerate(mine):
-                message = outer_sync_pb2.UpdateChunk(
+                head = outer_sync_pb2.UpdateChunk(
                     header=outer_sync_pb2.ChunkHeader(
                         run_id=self.c.cfg.run_id,
                         round=round_,
@@ -439,7 +469,6 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                         start=chunk.start,
                         numel=chunk.numel,
                     ),
-                    payload=chunk.payload,
                     next_round=next_round,
                     state_hash=digest,
                     total_chunks=len(chunks),
@@ -449,10 +478,12 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                     if settles and i == len(mine) - 1
                     else [],
                 )
-                if keys is not None:
-                    seal_update(keys.down, message)
-                self._count(request.site, sent=message)
-                sent += message.ByteSize()
+                if keys is not None:  # sealing a chunk is a pass over it: not on the event loop
+                    message = await asyncio.to_thread(_sealed, keys.down, head, chunk.payload)
+                else:
+                    message = _with_payload(head, chunk.payload)
+                self.c.count_bytes(request.site, sent=len(message))
+                sent += len(message)
                 yield message
         self.journal.write(
             "pull",

@@ -32,9 +32,38 @@ def decode(cls: type[Message], data: bytes) -> Any:
         raise MalformedRequest(f"malformed {cls.DESCRIPTOR.name} ({len(data)} bytes): {exc}") from None
 
 
-async def decoded_stream(cls: type[Message], raw: AsyncIterator[bytes]) -> AsyncIterator[Any]:
-    async for data in raw:
-        yield decode(cls, data)
+class DecodedStream:
+    """A client stream's messages, decoded as they are read. ``last_size`` is the wire size of
+    the message read last: byte counts come from what arrived, not from re-encoding a
+    megabyte-sized message on the event loop to measure it."""
+
+    def __init__(self, cls: type[Message], raw: AsyncIterator[bytes]) -> None:
+        self._cls, self._raw = cls, raw
+        self.last_size = 0
+
+    def __aiter__(self) -> DecodedStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        data = await anext(self._raw)
+        self.last_size = len(data)
+        return decode(self._cls, data)
+
+
+def wire_size(stream: AsyncIterator[Any], message: Message) -> int:
+    """The wire size of ``message``, just read from ``stream``."""
+    return stream.last_size if isinstance(stream, DecodedStream) else message.ByteSize()
+
+
+def _serializer(cls: type[Message]) -> Callable[[Any], bytes]:
+    """Serialize a response message; bytes (a message the servicer encoded itself, e.g. an
+    update chunk joined with its shared payload) pass as they are."""
+    serialize = cls.SerializeToString
+
+    def to_bytes(message: Any) -> bytes:
+        return message if type(message) is bytes else serialize(message)
+
+    return to_bytes
 
 
 async def _refuse(context: grpc.aio.ServicerContext, rpc: str, exc: MalformedRequest) -> None:
@@ -44,11 +73,11 @@ async def _refuse(context: grpc.aio.ServicerContext, rpc: str, exc: MalformedReq
 
 def _handler(rpc: str, method: Any, behavior: Callable[..., Any]) -> grpc.RpcMethodHandler:
     request_cls = message_factory.GetMessageClass(method.input_type)
-    serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
+    serialize = _serializer(message_factory.GetMessageClass(method.output_type))
     if method.client_streaming:
 
         async def stream_in(raw: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
-            return await behavior(decoded_stream(request_cls, raw), context)
+            return await behavior(DecodedStream(request_cls, raw), context)
 
         return grpc.stream_unary_rpc_method_handler(stream_in, response_serializer=serialize)
     if method.server_streaming:

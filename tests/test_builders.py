@@ -8,13 +8,16 @@ from typing import Any
 import pytest
 import torch
 
+from geodiloco import builders
 from geodiloco.builders import (
+    DRY_STEP_APART_PARAMS,
     BuilderError,
     build_data,
     build_loss,
     build_model,
     build_optimizer,
     check_workload,
+    check_workload_sized,
     load_builder,
 )
 from geodiloco.config import ConfigError, RunConfig, load_config
@@ -170,3 +173,23 @@ def test_init_weights_warm_start_the_model_and_bad_files_name_the_key(tmp_path: 
     ]:
         with pytest.raises(BuilderError, match=f"workload.init_weights: .*{message}"):
             build_model(load_config(None, ["model.n_layer=1", f"workload.init_weights={tmp_path / name}"]))
+
+
+def test_a_large_model_takes_its_dry_step_in_a_child_with_the_same_one_line_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From DRY_STEP_APART_PARAMS parameters on, the coordinator's dry step runs in a fresh
+    process (its throwaway model and optimizer state never raise the server's peak memory)."""
+    bad = load_config(None, ["workload.data=test_builders:two_shards"])
+    with pytest.raises(BuilderError) as in_process:
+        check_workload_sized(bad, DRY_STEP_APART_PARAMS - 1)
+
+    def not_here(cfg: RunConfig) -> None:
+        raise AssertionError("the dry step ran in this process")
+
+    monkeypatch.setattr(builders, "check_workload", not_here)
+    check_workload_sized(tiny_config(), DRY_STEP_APART_PARAMS)  # the child's real step passes
+    with pytest.raises(BuilderError) as apart:
+        check_workload_sized(bad, DRY_STEP_APART_PARAMS)
+    assert str(apart.value) == str(in_process.value)
+    assert "workload.data" in str(apart.value) and "\n" not in str(apart.value)

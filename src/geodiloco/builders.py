@@ -13,8 +13,9 @@ builder; every site builds all three. What each builder takes and returns:
   (:mod:`geodiloco.workload.loss`: by default the model gives logits, scored by cross-entropy).
 
 Mismatches between them are found before training by one dry step (:func:`check_workload` at
-coordinator start, :func:`check_site_step` on each site) and reported as a one-line config error
-naming the builder (:func:`exit_config_error` on a site's ranks), never as a traceback.
+coordinator start, in a child process for large models; :func:`check_site_step` on each site)
+and reported as a one-line config error naming the builder (:func:`exit_config_error` on a
+site's ranks), never as a traceback.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import subprocess
 import sys
 import time
 import warnings
@@ -320,6 +322,51 @@ def check_workload(cfg: RunConfig) -> None:
         optimizer.step()
     _check_tokens(cfg, data, batch)
     check_site_step(cfg, model, data, loss_fn)
+
+
+# From this size on the coordinator's dry step runs in a child process: its throwaway model,
+# gradient and optimizer state (five or more times the model's bytes) would otherwise set the
+# serving process's peak memory. Smaller models (tests, the demo) skip the child's start-up.
+DRY_STEP_APART_PARAMS = 16_000_000
+
+_DRY_STEP_CHILD = "import sys; from geodiloco.builders import _dry_step_child; sys.exit(_dry_step_child())"
+
+
+def check_workload_sized(cfg: RunConfig, num_params: int) -> None:
+    """:func:`check_workload` for a model of ``num_params`` parameters: in this process when it
+    is small, else in a fresh Python process (never a fork: a forked child of a process that
+    has run torch's thread pool can hang). Its config error comes back as the same one line."""
+    if num_params < DRY_STEP_APART_PARAMS:
+        check_workload(cfg)
+        return
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    child = subprocess.run(
+        [sys.executable, "-c", _DRY_STEP_CHILD],
+        input=cfg.to_json(),
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if child.returncode == 2:
+        raise BuilderError(child.stderr.strip().splitlines()[-1])
+    if child.returncode != 0:
+        last = (child.stderr.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
+        raise BuilderError(f"workload: the coordinator's dry step failed: {last}")
+    sys.stderr.write(child.stderr)  # the builders' warnings, as an in-process dry step shows them
+
+
+def _dry_step_child() -> int:
+    """The child of :func:`check_workload_sized`: the run config on stdin; exit status 2 with
+    the config error as the last line of stderr."""
+    from geodiloco.config import RunConfig
+
+    try:
+        check_workload(RunConfig.from_json(sys.stdin.read()))
+    except ConfigError as exc:
+        print(str(exc).replace("\n", " "), file=sys.stderr)
+        return 2
+    return 0
 
 
 def check_site_step(

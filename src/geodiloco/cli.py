@@ -348,16 +348,11 @@ def _add_wan_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from geodiloco.builders import check_workload
     from geodiloco.config import load_config
-    from geodiloco.coordinator.durable import STATE_FILE, StateError
+    from geodiloco.coordinator.durable import StateError
     from geodiloco.coordinator.server import BindError, ServeOptions, serve
 
     cfg = load_config(args.config, args.overrides)
-    if args.run_dir is None or not (args.run_dir / STATE_FILE).exists():
-        # one dry step: a builder mismatch is a config error here, not in a rank (a run that
-        # resumes was checked when it began, and builds no model: θ comes from its snapshot)
-        check_workload(cfg)
     try:
         opts = ServeOptions(
             host=args.host,

@@ -135,6 +135,10 @@ def test_pull_waits_for_commit_and_all_clients_get_identical_bytes(coordinator: 
     full = a.pull_tensor(0, n, full_state=True)
     assert full.is_full_state and full.next_round == 1
     assert state_hash(full.values) == pulled_a.state_hash == coordinator.controller.hashes[1]
+    # the coordinator counts what crossed the wire (pulls are encoded with their payload appended,
+    # pushes measured as they arrived) exactly as the client counts the messages it parsed
+    record = coordinator.controller.sites["site-a"]
+    assert (record.bytes_in, record.bytes_out) == (a.bytes_sent, a.bytes_received)
 
 
 def test_health_and_reflection_are_served(coordinator: CoordinatorThread) -> None:
