@@ -341,6 +341,7 @@ def run_case(params: int, sites: int, rounds: int, workdir: Path) -> dict[str, A
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait()
     per_site = [json.loads(out.read_text()) for out in outs]
+    (workdir / "probe.json").write_text(json.dumps(probe.samples))  # (sent at, round trip) per call
     ends = [max(site[r]["t1"] for site in per_site) for r in range(rounds)]
     periods = [b - a for a, b in itertools.pairwise(ends)]
     measured = (min(site[1]["t1"] for site in per_site) if rounds > 1 else 0.0, ends[-1])

@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -128,11 +130,16 @@ class Journal:
 
     Events: ``push``, ``pull``, ``report`` or ``lease_expired``, with wall-clock times
     ``t0``/``t1`` in seconds since the epoch. The round log says what was committed; this
-    journal says how each site got there."""
+    journal says how each site got there.
+
+    Appends are written by a thread of their own, in order: a file append can wait tens of
+    milliseconds on a disk busy with a commit's fsync, which the event loop must not."""
 
     def __init__(self, run_dir: Path | None) -> None:
         self._lines = JsonLines(run_dir / EVENTS_FILE, durable=False) if run_dir is not None else None
         self._broken = False
+        self._queue: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
         if self._lines is not None:
             self._lines.repair()
 
@@ -143,8 +150,32 @@ class Journal:
     def write(self, event: str, **fields: Any) -> None:
         if self._lines is None or self._broken:
             return
-        try:
-            self._lines.append({"event": event, "t": round(time.time(), 6), **fields})
-        except OSError:
-            log.warning("cannot append to %s; the journal stops here", self._lines.path, exc_info=True)
-            self._broken = True
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_queued, name="journal", daemon=True)
+            self._writer.start()
+        self._queue.put({"event": event, "t": round(time.time(), 6), **fields})
+
+    def close(self) -> None:
+        """Write every event queued so far, then stop the writer (a graceful stop)."""
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
+            self._writer = None
+
+    def _write_queued(self) -> None:
+        assert self._lines is not None
+        while True:
+            records = [self._queue.get()]
+            while not self._queue.empty():  # what queued meanwhile goes in the same append
+                records.append(self._queue.get())
+            stop = None in records
+            if not self._broken:
+                try:
+                    self._lines.append(*(r for r in records if r is not None))
+                except OSError:
+                    log.warning(
+                        "cannot append to %s; the journal stops here", self._lines.path, exc_info=True
+                    )
+                    self._broken = True
+            if stop:
+                return

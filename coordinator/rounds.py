@@ -612,7 +612,6 @@ class RoundController:
         snapshot = self.snapshot() if due else None  # the small parts, read on the loop
         try:
             await asyncio.to_thread(self._write_commit, logged, snapshot)
-            self._sync_round_log()
         except OSError:
             log.critical("cannot commit round %d to %s; exiting", r, self.run_dir, exc_info=True)
             os._exit(70)
@@ -625,6 +624,7 @@ class RoundController:
         assert self.snapshot_round is None or self.snapshot_round <= self.round
         floor = min(self.round - KEEP_UPDATES, self.snapshot_round if self.snapshot_round is not None else 0)
         prune(self.run_dir, floor)
+        self._sync_round_log()  # here too, not on the event loop: an append can wait on the disk
 
     def _write_snapshot(self, snapshot: dict[str, Any]) -> int:
         assert self.run_dir is not None

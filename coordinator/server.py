@@ -177,6 +177,7 @@ class RunningServer:
         await self.server.stop(self.grace_s)
         if self.health_server is not None:
             await self.health_server.stop(0)
+        await asyncio.to_thread(self.journal.close)  # every event of the run is on disk
 
     async def start_health_port(self, host: str, port: int) -> None:
         """A plaintext server with only the health service (Kubernetes gRPC probes speak no mTLS)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from geodiloco.coordinator.errors import CorruptStateError
-from geodiloco.coordinator.journal import JsonLines, read_lines
+from geodiloco.coordinator.journal import EVENTS_FILE, Journal, JsonLines, read_lines
 
 
 def test_open_truncates_a_torn_tail_and_appends_stay_whole(tmp_path: Path) -> None:
@@ -65,3 +65,26 @@ def test_a_short_write_on_a_full_disk_leaves_no_torn_line(tmp_path: Path) -> Non
     assert path.read_bytes() == before
     JsonLines(path, durable=True).append({"round": 1})
     assert [json.loads(line)["round"] for line in path.read_text().splitlines()] == [0, 1]
+
+
+def test_events_are_written_off_the_caller_in_order_and_close_writes_them_all(tmp_path: Path) -> None:
+    journal = Journal(tmp_path)
+    for i in range(300):
+        journal.write("push", site=f"site-{i % 3}", round=i)
+    journal.close()
+    assert [r["round"] for r in read_lines(tmp_path / EVENTS_FILE)] == list(range(300))
+    journal.write("pull", site="site-0", round=300)  # a writer starts again after a close
+    journal.close()
+    assert read_lines(tmp_path / EVENTS_FILE)[-1]["event"] == "pull"
+
+
+def test_an_events_journal_that_cannot_be_written_stops_without_stopping_the_caller(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    journal = Journal(tmp_path)
+    (tmp_path / EVENTS_FILE).mkdir()  # appends now fail with an OSError
+    journal.write("push", site="site-a", round=0)
+    journal.close()
+    journal.write("push", site="site-a", round=1)  # ignored: the journal stopped
+    journal.close()
+    assert "the journal stops here" in caplog.text
