@@ -87,6 +87,30 @@ static int dequantize_blocks(const float *step, const int8_t *codes, Py_ssize_t 
     return low > -128;
 }
 
+/* Σ (step_b · code_i)² in double: Σ code² per block is an exact integer (at most 127² a code),
+ * times step_b² once a block, so the norm of a q8 chunk needs no fp32 copy of its values.
+ * 1 when every code is on the grid (out written), 0 when one is -128. */
+WIDEST_SIMD
+static int sumsq_blocks(const float *step, const int8_t *codes, Py_ssize_t numel, Py_ssize_t block,
+                        double *out)
+{
+    int8_t low = 0;
+    double total = 0.0;
+    for (Py_ssize_t start = 0, b = 0; start < numel; start += block, b++) {
+        Py_ssize_t n = numel - start < block ? numel - start : block;
+        const int8_t *c = codes + start;
+        int64_t squares = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            low = c[i] < low ? c[i] : low;
+            squares += (int32_t)c[i] * (int32_t)c[i];
+        }
+        double s = (double)step[b];
+        total += s * s * (double)squares;
+    }
+    *out = total;
+    return low > -128;
+}
+
 /* Split n bytes into their high and their low nibbles, two per byte: byte j of `hi` holds the
  * high nibbles of u[2j] (low half) and u[2j+1] (high half), `lo` likewise; an odd last byte
  * pairs with zero. Gaussian-like int8 codes keep almost all of their redundancy in the high
@@ -240,6 +264,38 @@ static PyObject *dequantize_q8(PyObject *self, PyObject *args)
     return finish(views, valid);
 }
 
+PyDoc_STRVAR(sumsq_q8_doc,
+             "sumsq_q8(steps, codes, block) -> float | None\n\n"
+             "The sum of squares of the values dequantize_q8 would give (in double), or None\n"
+             "when a code is -128 (off the symmetric grid).");
+
+static PyObject *sumsq_q8(PyObject *self, PyObject *args)
+{
+    PyObject *objs[3];
+    Py_ssize_t block;
+    Py_buffer views[3]; /* steps, codes (the third is unused: codes again, read only) */
+    if (!PyArg_ParseTuple(args, "OOn", &objs[0], &objs[1], &block))
+        return NULL;
+    objs[2] = objs[1];
+    if (check_block(block) < 0 || get_arguments(objs, (const char *const[]){"steps", "codes", "codes"}, 0, views) < 0)
+        return NULL;
+    Py_ssize_t numel = views[1].len;
+    if (views[0].len != (numel + block - 1) / block * (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "sumsq_q8: buffer sizes do not match");
+        return finish(views, -1);
+    }
+    double total;
+    int valid;
+    Py_BEGIN_ALLOW_THREADS
+    valid = sumsq_blocks((const float *)views[0].buf, (const int8_t *)views[1].buf, numel, block, &total);
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < 3; i++)
+        PyBuffer_Release(&views[i]);
+    if (!valid)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(total);
+}
+
 /* split_nibbles and join_nibbles: the same buffers (codes of n bytes, hi and lo of (n + 1) / 2
  * each), written in one direction or the other. */
 static PyObject *nibbles(PyObject *args, int join)
@@ -315,6 +371,7 @@ static PyObject *checksum_range(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"quantize_q8", quantize_q8, METH_VARARGS, quantize_q8_doc},
     {"dequantize_q8", dequantize_q8, METH_VARARGS, dequantize_q8_doc},
+    {"sumsq_q8", sumsq_q8, METH_VARARGS, sumsq_q8_doc},
     {"split_nibbles", split_nibbles_py, METH_VARARGS, split_nibbles_doc},
     {"join_nibbles", join_nibbles_py, METH_VARARGS, join_nibbles_doc},
     {"checksum_range", checksum_range, METH_VARARGS, checksum_range_doc},

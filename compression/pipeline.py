@@ -277,6 +277,15 @@ class Pipeline:
             raise CodecError(f"{self.spec}: {raw.numel()} raw bytes, expected {self._body_size(numel, kept)}")
         return self._values(raw, numel, kept)
 
+    def raw_sumsq(self, raw: torch.Tensor, numel: int) -> float | None:
+        """Σ x² of :meth:`decode_raw`'s values computed from the raw bytes without decoding them,
+        where the codec has that path (blockwise q8, no sparsifier); None where it has not."""
+        if self.sparsifier is not None or not isinstance(self.values, BlockwiseAbsmax):
+            return None
+        if raw.numel() != self._body_size(numel, None):
+            raise CodecError(f"{self.spec}: {raw.numel()} raw bytes, expected {self._body_size(numel, None)}")
+        return self.values.sumsq(raw, numel)
+
     def _body_size(self, numel: int, kept: torch.Tensor | None) -> int:
         """Raw bytes after any prefix; ``kept``: a cyclic sparsifier's elements at the place."""
         if kept is not None:

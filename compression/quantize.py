@@ -155,14 +155,36 @@ class BlockwiseAbsmax:
         seed = (self.sr_seed or 0) ^ zlib.crc32(x.contiguous().numpy().data) ^ first
         return torch.rand(shape, generator=torch.Generator().manual_seed(seed))
 
-    def decode(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
-        half, offset, top = _GRIDS[self.bits]
+    def _steps(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
+        """The block steps of ``raw``, checked: right size, each step finite and in range."""
+        half = _GRIDS[self.bits][0]
         if raw.numel() != self.encoded_size(numel):
             raise CodecError(f"{self.spec}: {raw.numel()} bytes, expected {self.encoded_size(numel)}")
         nb = n_blocks(numel, self.block)
         step = reinterpret(raw[: 4 * nb], torch.float32)
         if nb and not bool(((step >= 0) & (step <= FP32_MAX / half)).all()):
             raise CodecError(f"{self.spec}: a block scale (step) is negative, too large or not finite")
+        return step
+
+    def sumsq(self, raw: torch.Tensor, numel: int) -> float | None:
+        """Σ x² of the values :meth:`decode` gives, from the codes and steps without decoding
+        them (the q8 kernel, in double); None for a codec without that path. Refuses what
+        :meth:`decode` refuses."""
+        if not self.fused:
+            return None
+        step = self._steps(raw, numel)
+        if not numel:
+            return 0.0
+        codes = raw[4 * step.numel() :].view(torch.int8)
+        total = _kernels.sumsq_q8(step.numpy(), codes.numpy(), self.block)
+        if total is None:
+            raise CodecError(f"{self.spec}: code -128 is outside the grid")
+        return total
+
+    def decode(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
+        _, offset, top = _GRIDS[self.bits]
+        step = self._steps(raw, numel)
+        nb = step.numel()
         if self.bits == 8:
             codes = raw[4 * nb :].view(torch.int8)
             if self.fused and numel:

@@ -381,7 +381,9 @@ class Intake:
         refused here (worker thread)."""
         place = Place(round_, segment)
         raw = self.pipeline.unpack(payload, segment.numel, place)
-        sumsq = sum_of_squares(self.pipeline.decode_raw(raw, segment.numel, place))
+        sumsq = self.pipeline.raw_sumsq(raw, segment.numel)  # q8: from the codes, no fp32 copy
+        if sumsq is None:
+            sumsq = sum_of_squares(self.pipeline.decode_raw(raw, segment.numel, place))
         if not sumsq < float("inf"):
             raise InvalidArgument(f"chunk {seq}: pseudo-gradient contains NaN or Inf")
         return raw, sumsq

@@ -74,6 +74,33 @@ def test_a_code_off_the_grid_is_refused_by_the_fused_decoder() -> None:
         codec.decode(raw, 300)
 
 
+@settings(max_examples=40, deadline=None)
+@given(x=tensors(), block=st.sampled_from([1, 7, 128, 4096]))
+def test_the_norm_from_codes_equals_the_decoded_values_norm(x: torch.Tensor, block: int) -> None:
+    """The coordinator's norm check reads a q8 chunk's codes and steps, never an fp32 copy."""
+    codec = BlockwiseAbsmax(bits=8, block=block)
+    raw = codec.encode(x)
+    exact = float(codec.decode(raw, x.numel()).double().square().sum())
+    # exact in double from code x step; the decoded values are those products rounded to fp32
+    assert codec.sumsq(raw, x.numel()) == pytest.approx(exact, rel=1e-6, abs=1e-300)
+
+
+def test_the_norm_from_codes_refuses_what_decoding_refuses() -> None:
+    codec = BlockwiseAbsmax(bits=8, block=128)
+    raw = codec.encode(torch.randn(300))
+    off_grid = raw.clone()
+    off_grid[4 * 3 + 299] = 0x80  # -128 as int8
+    with pytest.raises(CodecError, match="-128"):
+        codec.sumsq(off_grid, 300)
+    bad_step = raw.clone()
+    bad_step[:4] = torch.tensor([float("nan")]).view(torch.uint8)
+    with pytest.raises(CodecError, match="step"):
+        codec.sumsq(bad_step, 300)
+    with pytest.raises(CodecError, match="bytes"):
+        codec.sumsq(raw[:-1], 300)
+    assert BlockwiseAbsmax(bits=4).sumsq(BlockwiseAbsmax(bits=4).encode(torch.randn(8)), 8) is None
+
+
 def test_non_contiguous_and_non_fp32_inputs_take_a_correct_path() -> None:
     codec = BlockwiseAbsmax(bits=8, block=16)
     x = torch.randn(64, 3)
