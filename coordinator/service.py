@@ -82,11 +82,10 @@ async def _abort(context: grpc.aio.ServicerContext, rpc: str, site: str, exc: Ex
 async def _next_chunk(chunks: AsyncIterator[Any], timeout_s: float) -> Any:
     """The next message of a push, or None at its end; a stalled stream is abandoned."""
     try:
-        async with asyncio.timeout(timeout_s):  # no task per chunk, as wait_for would make
-            return await anext(chunks)
+        return await asyncio.wait_for(anext(chunks), timeout_s)
     except StopAsyncIteration:
         return None
-    except TimeoutError:
+    except asyncio.TimeoutError:
         raise DeadlineExceeded(
             f"no chunk for {timeout_s:.0f}s (limits.chunk_timeout_s); push abandoned"
         ) from None
