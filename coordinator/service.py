@@ -108,7 +108,7 @@ def _with_payload(head: Any, payload: bytes) -> bytes:
     Parsers take fields in any order; the payload is copied once, where building the message,
     measuring it and serializing it copied it three times, on the event loop."""
     if not payload:
-        return bytes(head.SerializeToString())
+        return head.SerializeToString()
     return b"".join((head.SerializeToString(), _PAYLOAD_TAG, _varint(len(payload)), payload))
 
 
@@ -116,7 +116,7 @@ def _sealed(sealer: Sealer, head: Any, payload: bytes) -> bytes:
     """``head`` with ``payload`` sealed for its receiver, encoded (a worker thread)."""
     head.payload = payload
     seal_update(sealer, head)
-    return bytes(head.SerializeToString())
+    return head.SerializeToString()
 
 
 class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
