@@ -37,5 +37,7 @@ def test_wan_smoke(run_benchmark: Callable[..., Any]) -> None:
         assert row["no_sync_tokens_per_s"] > 0 and 0 < row["throughput_ratio"] < 1.5
         assert 0 < row["compute_share"] <= 1
         assert math.isfinite(row["final_eval_loss"]) and 0 < row["final_eval_loss"] < 6
-        assert -1 < row["stolen_fraction"] < 1  # below 0 when the machine's load moved
+        # Any negative value is noise (the load moved; the smoke's steps take milliseconds, so one
+        # slow step decides the mean); a value of 1 or more would need a step of no time.
+        assert math.isfinite(row["stolen_fraction"]) and row["stolen_fraction"] < 1
         assert row["wan_bytes_per_site_round"] > r["round_push_bytes"] / 2  # a push and a pull per round
