@@ -33,6 +33,7 @@ import xxhash
 from geodiloco.coordinator.errors import CorruptStateError as CorruptStateError
 from geodiloco.coordinator.errors import StateError as StateError
 from geodiloco.coordinator.rundir import STATE_FILE as STATE_FILE
+from geodiloco.coordinator.unbuffered import UnbufferedFile
 from geodiloco.security.sealing import NONCE_BYTES, TAG_BYTES, Sealer, SealError
 
 # An unsealed file is checksummed against torn writes and corruption, not against an attacker
@@ -89,36 +90,52 @@ def _read_state(path: Path, reader: _Reader | _FileReader) -> dict[str, Any]:
     return state
 
 
-def write_stream(path: Path, pieces: Iterable[memoryview], sealer: Sealer | None, label: str) -> int:
+def write_stream(
+    path: Path, pieces: Iterable[memoryview], sealer: Sealer | None, label: str, unbuffered: bool = False
+) -> int:
     """Write the payload ``pieces`` to ``path`` atomically (see the module docstring); returns the
-    bytes written."""
+    bytes written. ``unbuffered``: past the page cache (:mod:`.unbuffered`), for a file written
+    once and read rarely."""
     pieces = list(pieces)
     length = sum(p.nbytes for p in pieces)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        if sealer is None:
-            f.write(_HEADER.pack(MAGIC, bytes(16), length))
-            digest = xxhash.xxh3_128()
-            for piece in pieces:  # no segments to cut (they are the sealed format's): no copies
-                digest.update(piece)
-                f.write(piece)
-            f.seek(0)
-            f.write(_HEADER.pack(MAGIC, digest.digest(), length))
-        else:
-            f.write(_SEALED_HEADER.pack(SEALED_MAGIC, sealer.key_id, length, SEGMENT_BYTES))
-            count = _count(length, SEGMENT_BYTES)
-            for i, segment in enumerate(_segments(pieces, SEGMENT_BYTES)):
-                nonce, sealed = sealer.seal(
-                    bytes(segment), _segment_aad(label, i, count, SEGMENT_BYTES, length)
-                )
-                f.write(nonce)
-                f.write(sealed)
-        f.flush()
-        os.fsync(f.fileno())
-        written = os.fstat(f.fileno()).st_size
+    blocks = (
+        _unsealed_blocks(pieces, length) if sealer is None else _sealed_blocks(pieces, length, sealer, label)
+    )
+    if unbuffered:
+        with UnbufferedFile(tmp) as u:
+            for block in blocks:
+                u.write(block)
+            written = u.close()
+    else:
+        with open(tmp, "wb") as f:
+            for block in blocks:
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+            written = f.tell()
     os.replace(tmp, path)
     _fsync_dir(path.parent)
     return written
+
+
+def _unsealed_blocks(pieces: list[memoryview], length: int) -> Iterator[bytes | memoryview]:
+    digest = xxhash.xxh3_128()  # a pass of its own, at memory speed: the header comes first
+    for piece in pieces:
+        digest.update(piece)
+    yield _HEADER.pack(MAGIC, digest.digest(), length)
+    yield from pieces  # no segments to cut (they are the sealed format's): no copies
+
+
+def _sealed_blocks(
+    pieces: list[memoryview], length: int, sealer: Sealer, label: str
+) -> Iterator[bytes | memoryview]:
+    yield _SEALED_HEADER.pack(SEALED_MAGIC, sealer.key_id, length, SEGMENT_BYTES)
+    count = _count(length, SEGMENT_BYTES)
+    for i, segment in enumerate(_segments(pieces, SEGMENT_BYTES)):
+        nonce, sealed = sealer.seal(bytes(segment), _segment_aad(label, i, count, SEGMENT_BYTES, length))
+        yield nonce
+        yield sealed
 
 
 def read_payload(path: Path, sealer: Sealer | None, label: str) -> bytes:

@@ -6,9 +6,10 @@ Each rank of a site streams the elements it owns as one *part* of the site's con
 the loop thread only moves bytes. What is staged is the chunk's checked decode in its compact
 form, the frame's *raw* bytes (value codes and scales, the entropy stage undone: for int8, one
 byte per parameter, within a few percent of the frame on real pseudo-gradients), spilled to an
-unlinked temporary file; folding turns codes into values and adds them, without decoding the
-frame again. A push in flight costs the coordinator about its compressed size on disk and a
-few chunks of memory, whatever the model or the number of sites.
+unlinked temporary file, reused from push to push (:class:`SpillFiles`); folding turns codes
+into values and adds them, without decoding the frame again. A push in flight costs the
+coordinator about its compressed size on disk and a few chunks of memory, whatever the model or
+the number of sites.
 Only a contribution whose parts have all arrived, whose elements tile the model exactly (checked
 on interval sets, never per-element masks) and whose norm is acceptable is folded into the
 round's sum, by the round controller: a broken push never touches the mean.
@@ -44,6 +45,35 @@ log = logging.getLogger("geodiloco.coordinator")
 
 WINDOW = 4  # chunks of one stream decoded while the next are read
 WORKERS = min(4, os.cpu_count() or 1)
+IDLE_SPILLS = 16  # staging files kept for reuse; more are closed when given back
+
+
+class SpillFiles:
+    """Unlinked staging files, reused from push to push (thread safe).
+
+    A push's bytes then overwrite pages an earlier push left in the page cache. A new file for
+    every push takes fresh pages instead, and on a cloud VM whose host reclaims the guest's free
+    memory a fresh page costs far more than a copy: 0.36 s of CPU per 100 MB written to new
+    files, against 0.01 s overwriting the same file, measured on this project's 2-core VM.
+    """
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = folder
+        self._idle: list[IO[bytes]] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> IO[bytes]:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return tempfile.TemporaryFile(dir=self.folder)
+
+    def give_back(self, spill: IO[bytes]) -> None:
+        with self._lock:
+            if len(self._idle) < IDLE_SPILLS:
+                self._idle.append(spill)
+                return
+        spill.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +94,9 @@ class Staged:
     tokens: int
     data: list[DataRange]
     pipeline: Pipeline
-    spill: IO[bytes]
+    spill: IO[bytes]  # may hold an earlier push's bytes past ``end``
+    spills: SpillFiles  # where ``spill`` goes back
+    end: int = 0  # of the bytes staged in ``spill``
     chunks: list[StagedChunk] = field(default_factory=list)
     received: set[int] = field(default_factory=set)
     streaming: dict[int, int] = field(default_factory=dict)  # part -> attempt
@@ -107,10 +139,11 @@ class Staged:
                     f"part {part}: chunk at element {segment.start} overlaps elements already pushed "
                     f"(the parts so far hold more than the model's {limit} parameters)"
                 )
-            self.spill.seek(0, os.SEEK_END)
-            offset = self.spill.tell()
+            length = memoryview(raw).nbytes
+            self.spill.seek(self.end)
             self.spill.write(raw)
-            self.chunks.append(StagedChunk(part, attempt, segment, offset, memoryview(raw).nbytes))
+            self.chunks.append(StagedChunk(part, attempt, segment, self.end, length))
+            self.end += length
             self.claimed += segment.numel
             self.sumsq[part] += sumsq
 
@@ -177,7 +210,7 @@ class Staged:
                 pass
 
     def close(self) -> None:
-        self.spill.close()
+        self.spills.give_back(self.spill)
 
 
 class StagedContribution:
@@ -294,8 +327,8 @@ class Intake:
         self.chunk_elements = chunk_elements
         self.limits = limits
         self.opener = opener
-        self.spill_dir = spill_dir
         self.staged: dict[tuple[str, int], Staged] = {}
+        self.spills = SpillFiles(spill_dir)
         self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="intake")
 
     def forget_site(self, site: str) -> None:
@@ -313,8 +346,8 @@ class Intake:
             self._close(self.staged.pop(key))
 
     def _close(self, staged: Staged) -> None:
-        # in a worker: closing a spill file frees its pages (tens of ms for a 100 MB push),
-        # which the event loop must not wait for
+        # in a worker: a spill file closed past the idle ones frees its pages (tens of ms for a
+        # 100 MB push), which the event loop must not wait for
         self.pool.submit(staged.close)
 
     async def begin(self, first: Any) -> PartStream:
@@ -336,8 +369,9 @@ class Intake:
         parts, data = first.parts or 1, ranges_from_proto(first.data)
         staged = self.staged.get(key)
         if staged is None:
-            spill = tempfile.TemporaryFile(dir=self.spill_dir)  # noqa: SIM115 (closed by release)
-            staged = Staged(h.round, parts, first.tokens, data, self.pipeline, spill)
+            staged = Staged(
+                h.round, parts, first.tokens, data, self.pipeline, self.spills.take(), self.spills
+            )
             self.staged[key] = staged
         return staged, staged.begin(first.part, parts, first.tokens, data)
 

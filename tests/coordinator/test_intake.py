@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import math
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -17,7 +16,7 @@ from geodiloco.compression import envelope, parse_pipeline
 from geodiloco.config import LimitsConfig
 from geodiloco.coordinator.aggregator import sum_of_squares
 from geodiloco.coordinator.errors import InvalidArgument
-from geodiloco.coordinator.intake import Intake, Staged
+from geodiloco.coordinator.intake import Intake, SpillFiles, Staged
 from geodiloco.segment import Segment
 from geodiloco.site.client import OuterSyncClient, WireChunk, delta_messages
 from geodiloco.v1 import outer_sync_pb2_grpc
@@ -28,7 +27,7 @@ PLAIN = "q8"
 
 
 def staged(segments: list[Segment]) -> Staged:
-    s = Staged(0, 1, 1, [], parse_pipeline(CODEC), io.BytesIO())
+    s = Staged(0, 1, 1, [], parse_pipeline(CODEC), io.BytesIO(), SpillFiles(None))
     attempt = s.begin(0, 1, 1, [])
     assert attempt is not None
     for seg in segments:
@@ -47,31 +46,39 @@ def test_coverage_of_column_shards_is_checked_on_intervals() -> None:
         staged([head, left, Segment(7, rows, 6, cols), Segment(63, 1, 37, 37)]).check_covered(100)
 
 
-def test_a_push_is_decoded_once_and_folded_from_its_staged_raw_bytes() -> None:
+@pytest.mark.parametrize("pushes", [[10_000], [12_000, 10_000]])
+def test_a_push_is_decoded_once_and_folded_from_its_staged_raw_bytes(pushes: list[int]) -> None:
     """Staged: the checked decode's raw bytes (int8 codes and scales, no zstd); the fold turns
-    them into exactly the values a decode of the frames gives."""
-    pipeline, n, size = parse_pipeline(CODEC), 10_000, 3000
-    intake = Intake(pipeline, n, size, LimitsConfig(), opener=bytes)
-    s = Staged(0, 1, 1, [], pipeline, tempfile.TemporaryFile())  # noqa: SIM115 (closed below)
-    attempt = s.begin(0, 1, 1, [])
-    assert attempt is not None
-    delta, expected = torch.randn(n) * 1e-3, torch.zeros(n)
-    for start in range(0, n, size):
-        segment = Segment(start, 1, min(size, n - start), min(size, n - start))
-        frame = pipeline.encode(segment.view_of(delta))
-        raw, sumsq = intake.decode_checked(frame, 0, segment, start // size)
-        decoded = pipeline.decode(frame, segment.numel)
-        assert raw.numel() == pipeline.raw_size(segment.numel)
-        assert sumsq == pytest.approx(sum_of_squares(decoded), rel=1e-6)  # from the codes, in double
-        s.stage(0, attempt, segment, raw.numpy().data, sumsq, n)
-        segment.view_of(expected).add_(decoded, alpha=3.0)
-    s.check_covered(n)
-    total = torch.zeros(n)
-    with ThreadPoolExecutor(2) as pool:
-        s.fold_into(total, 3.0, pool)
-    assert torch.equal(total, expected)
-    assert s.staged_bytes == sum(pipeline.raw_size(min(size, n - a)) for a in range(0, n, size))
-    s.close()
+    them into exactly the values a decode of the frames gives. A later push reuses the staging
+    file of an earlier, larger one, whose bytes are still past its end."""
+    spills = SpillFiles(None)
+    files = []
+    for n in pushes:
+        pipeline, size = parse_pipeline(CODEC), 3000
+        intake = Intake(pipeline, n, size, LimitsConfig(), opener=bytes)
+        s = Staged(0, 1, 1, [], pipeline, spills.take(), spills)
+        files.append(s.spill)
+        attempt = s.begin(0, 1, 1, [])
+        assert attempt is not None
+        delta, expected = torch.randn(n) * 1e-3, torch.zeros(n)
+        for start in range(0, n, size):
+            segment = Segment(start, 1, min(size, n - start), min(size, n - start))
+            frame = pipeline.encode(segment.view_of(delta))
+            raw, sumsq = intake.decode_checked(frame, 0, segment, start // size)
+            decoded = pipeline.decode(frame, segment.numel)
+            assert raw.numel() == pipeline.raw_size(segment.numel)
+            assert sumsq == pytest.approx(sum_of_squares(decoded), rel=1e-6)  # from the codes, in double
+            s.stage(0, attempt, segment, raw.numpy().data, sumsq, n)
+            segment.view_of(expected).add_(decoded, alpha=3.0)
+        s.check_covered(n)
+        total = torch.zeros(n)
+        with ThreadPoolExecutor(2) as pool:
+            s.fold_into(total, 3.0, pool)
+        assert torch.equal(total, expected)
+        assert s.staged_bytes == sum(pipeline.raw_size(min(size, n - a)) for a in range(0, n, size))
+        s.close()
+    assert all(f is files[0] for f in files)  # one file, reused
+    spills.take().close()
 
 
 def test_an_abandoned_attempt_leaves_nothing_and_its_late_chunks_are_dropped() -> None:
