@@ -51,7 +51,7 @@ import grpc
 import torch
 from torch import nn
 
-from geodiloco.compression import parse_pipeline
+from geodiloco.compression import EncodedChunk, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.params import Checksum
 from geodiloco.segment import Segment
@@ -128,6 +128,8 @@ def site_main(args: argparse.Namespace) -> None:
     # A lower priority keeps their CPU from counting as the coordinator's stall: they still get
     # every cycle the coordinator does not use.
     os.nice(SITE_NICENESS)
+    torch.set_num_threads(1)  # as a site's ranks run (torchrun's OMP_NUM_THREADS=1): idle OpenMP
+    # threads spin, and here they would spin on the coordinator's cores
     client = OuterSyncClient(args.target, args.site)
     info = client.join()
     beat = Heartbeater(client, info.heartbeat_interval_s)
@@ -135,24 +137,37 @@ def site_main(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(int(args.site.rpartition("-")[2]))
     base = torch.randn(CHUNK, generator=gen)
     scratch = torch.empty(CHUNK)
+    codec = parse_pipeline(CODEC)
+    parts: dict[int, Checksum] = {}  # a round's pulled chunks, hashed by sequence number
+
+    def apply(seq: int, chunk: EncodedChunk) -> None:  # as a site applies: decode, add, hash
+        piece = scratch[: chunk.numel]
+        piece.copy_(codec.decode(chunk.payload, chunk.numel))
+        parts[seq] = Checksum()
+        parts[seq].add_range(chunk.start, piece)
+
     rows = []
     for r in range(args.rounds):
         t0, sent, received = time.time(), client.bytes_sent, client.bytes_received
         client.push(r, CODEC, SeededDelta(args.params[0], base, r), tokens=1000, timeout_s=3600)
         t_pushed = time.time()
-        pulled = client.pull(r, timeout_s=3600)
-        codec, checksum = parse_pipeline(pulled.codec), Checksum()
-        for seq in range(pulled.total_chunks):  # apply as a site does: decode, add, hash
-            chunk = pulled.chunks[seq]
-            piece = scratch[: chunk.numel]
-            piece.copy_(codec.decode(chunk.payload, chunk.numel))
-            checksum.add_range(chunk.start, piece)
+        parts.clear()
+        pulled = client.pull(r, timeout_s=3600, on_chunk=apply)  # decoded while later chunks arrive
+        t_pulled = time.time()
+        if pulled.codec != CODEC or sorted(parts) != list(range(pulled.total_chunks)):
+            raise RuntimeError(
+                f"round {r}: pulled {len(parts)} of {pulled.total_chunks} {pulled.codec} chunks"
+            )
+        checksum = Checksum()
+        for seq in range(pulled.total_chunks):
+            checksum = checksum.merge(parts[seq])
         beat.round = r + 1
         rows.append(
             {
                 "round": r,
                 "t0": t0,
                 "t_pushed": t_pushed,
+                "t_pulled": t_pulled,
                 "t1": time.time(),
                 "sent": client.bytes_sent - sent,
                 "received": client.bytes_received - received,

@@ -2,7 +2,9 @@
 
 A contribution is folded into the round's sum only once it is whole and checked, so a broken
 push never touches the mean. The sum is one fp32 vector reused from round to round: the
-coordinator's memory does not grow with the number of sites.
+coordinator's memory does not grow with the number of sites. A whole contribution covers every
+element, so the round's first one writes the sum rather than adding to it: the vector is never
+zeroed, and the round close turns it into the mean span by span (:meth:`WeightedMean.mean_span`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ class Contribution(Protocol):
         """Σ Δ² over its elements (inf or NaN when a value is not finite)."""
         ...
 
-    def fold_into(self, total: torch.Tensor, weight: float) -> None:
-        """total += weight · Δ, chunk by chunk."""
+    def fold_into(self, total: torch.Tensor, weight: float, first: bool) -> None:
+        """total += weight · Δ, chunk by chunk; total = weight · Δ when ``first`` (the round's first
+        contribution: ``total`` holds the last round's leftovers)."""
         ...
 
 
@@ -53,8 +56,11 @@ class TensorContribution:
         self.delta = delta
         self.sumsq = sum_of_squares(delta)
 
-    def fold_into(self, total: torch.Tensor, weight: float) -> None:
-        total.add_(self.delta, alpha=weight)
+    def fold_into(self, total: torch.Tensor, weight: float, first: bool) -> None:
+        if first:
+            torch.mul(self.delta, weight, out=total)
+        else:
+            total.add_(self.delta, alpha=weight)
 
 
 class WeightedMean:
@@ -79,20 +85,23 @@ class WeightedMean:
     def fold(self, site: str, contribution: Contribution, tokens: int) -> None:
         if tokens <= 0:
             raise ValueError("a contribution needs a positive token count")
-        contribution.fold_into(self.total, float(tokens))
+        contribution.fold_into(self.total, float(tokens), first=not self.contributors)
         self.weight += tokens
         self.contributors.append(site)
         self.tokens[site] = tokens
 
     def mean(self) -> torch.Tensor:
         """The average, computed in place: the sum is gone afterwards (call :meth:`reset`)."""
+        return self.mean_span(0, self.numel)
+
+    def mean_span(self, start: int, numel: int) -> torch.Tensor:
+        """The average over elements ``[start, start + numel)``, computed in place in the sum."""
         if not self.weight:
             raise ValueError("no contributions to average")
-        return self.total.div_(self.weight)
+        return self.total[start : start + numel].div_(self.weight)
 
     def reset(self) -> None:
-        """Empty for the next round, keeping the buffer."""
-        self.total.zero_()
+        """Empty for the next round, keeping the buffer (its next first fold overwrites it)."""
         self.weight = 0
         self.contributors = []
         self.tokens = {}

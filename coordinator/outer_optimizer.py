@@ -7,29 +7,39 @@ all apply the same decoded version.
 
 from __future__ import annotations
 
-from typing import Protocol
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
 from geodiloco.config import OuterConfig
 
+SpanStep = Callable[[torch.Tensor, int], torch.Tensor]
 
-class OuterOptimizer(Protocol):
+
+class OuterOptimizer(ABC):
+    @abstractmethod
+    def round_step(self, numel: int) -> SpanStep:
+        """This round's step, as a function of one span of the averaged pseudo-gradient and the
+        span's first element: it returns the span's proposed change, computed in place (the
+        span's storage holds it afterwards, no model-sized temporaries). Spans are disjoint and
+        may be stepped in any order and in parallel, each while it is in cache; the round
+        counts once, when this is called."""
+
     def step(self, avg_delta: torch.Tensor) -> torch.Tensor:
-        """The proposed parameter change for this round's averaged pseudo-gradient, computed in
-        place: ``avg_delta``'s storage holds it afterwards (no model-sized temporaries)."""
-        ...
+        """The proposed change for a whole averaged pseudo-gradient, in place."""
+        return self.round_step(avg_delta.numel())(avg_delta, 0)
 
+    @abstractmethod
     def state_dict(self) -> dict[str, object]:
         """Everything needed to resume after a restart."""
-        ...
 
+    @abstractmethod
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore from :meth:`state_dict`."""
-        ...
 
 
-class NesterovOuter:
+class NesterovOuter(OuterOptimizer):
     """SGD with Nesterov momentum, as in DiLoCo: m ← μm + Δ; change = −lr (Δ + μm).
 
     With ``warmup_rounds`` W, round r uses momentum μ·min(1, r/W): from-scratch runs over short
@@ -48,13 +58,19 @@ class NesterovOuter:
             return self.momentum
         return self.momentum * min(1.0, self.steps / self.warmup_rounds)
 
-    def step(self, avg_delta: torch.Tensor) -> torch.Tensor:
-        mu = self.current_momentum()
+    def round_step(self, numel: int) -> SpanStep:
+        mu, lr = self.current_momentum(), self.lr
         if self.buffer is None:
-            self.buffer = torch.zeros_like(avg_delta)
-        self.buffer.mul_(mu).add_(avg_delta)
+            self.buffer = torch.zeros(numel, dtype=torch.float32)
+        buffer = self.buffer
         self.steps += 1
-        return avg_delta.add_(self.buffer, alpha=mu).mul_(-self.lr)
+
+        def step(avg: torch.Tensor, start: int) -> torch.Tensor:
+            momentum = buffer[start : start + avg.numel()]
+            momentum.mul_(mu).add_(avg)
+            return avg.add_(momentum, alpha=mu).mul_(-lr)
+
+        return step
 
     def state_dict(self) -> dict[str, object]:
         return {"buffer": self.buffer, "steps": self.steps}
@@ -65,14 +81,15 @@ class NesterovOuter:
         self.steps = int(state["steps"])  # type: ignore[call-overload]
 
 
-class FedAvgOuter:
+class FedAvgOuter(OuterOptimizer):
     """Plain federated averaging: θ_{r+1} is the sites' average, change = −lr·Δ (lr 1)."""
 
     def __init__(self, lr: float = 1.0) -> None:
         self.lr = lr
 
-    def step(self, avg_delta: torch.Tensor) -> torch.Tensor:
-        return avg_delta.mul_(-self.lr)
+    def round_step(self, numel: int) -> SpanStep:
+        lr = self.lr
+        return lambda avg, start: avg.mul_(-lr)
 
     def state_dict(self) -> dict[str, object]:
         return {}

@@ -564,17 +564,18 @@ class RoundController:
         await self._notify()
 
     def _advance(self, round_: int) -> CommittedUpdate:
-        """θ_round → θ_{round+1} (worker thread): average, outer step, then chunk by chunk and in
-        place, chunks in parallel: compensate with the downlink residual, encode, keep what the
-        encoding dropped, apply the decoded change, and hash and measure the new θ while the
-        chunk is in cache."""
-        proposed = self.optimizer.step(self.mean.mean())
-        residual = self.downlink_feedback.residual
-        torch.add(proposed, residual, alpha=self.downlink_feedback.decay, out=residual)  # what to send
+        """θ_round → θ_{round+1} (worker thread), chunk by chunk and in place, chunks in parallel,
+        every step on a chunk while it is in cache: average, outer step, compensate with the
+        downlink residual, encode, keep what the encoding dropped, apply the decoded change, and
+        hash and measure the new θ. A round costs a few passes over the model, not one per step."""
+        step = self.optimizer.round_step(self.num_params)
+        residual, decay = self.downlink_feedback.residual, self.downlink_feedback.decay
 
         def one(span: tuple[int, int]) -> tuple[EncodedChunk, Checksum, float]:
             start, numel = span
+            proposed = step(self.mean.mean_span(start, numel), start)
             send = residual[start : start + numel]
+            torch.add(proposed, send, alpha=decay, out=send)  # what to send
             payload, decoded = self.downlink.roundtrip(send, Place.span(round_, start, numel))
             send.sub_(decoded)
             theta = self.theta[start : start + numel]

@@ -464,9 +464,15 @@ class OuterSyncClient:
         part: int = 0,
         parts: int = 1,
         fragment: int = 0,
+        on_chunk: Callable[[int, EncodedChunk], None] | None = None,
     ) -> PulledPart:
         """This puller's share of the update closing ``round_`` (waits for its commit), or of the
-        full current state: the chunks with ``seq % parts == part``, opened but not decoded."""
+        full current state: the chunks with ``seq % parts == part``, opened but not decoded.
+
+        ``on_chunk(seq, chunk)`` is called with each chunk as it arrives, on this thread, so that
+        decoding overlaps the chunks still on the wire. A retried stream calls it again for the
+        chunks it brings again: keep what it computes by ``seq``, and use it only once the pull
+        has returned."""
         kind = outer_sync_pb2.PullRequest.FULL_STATE if full_state else outer_sync_pb2.PullRequest.UPDATE
         request = outer_sync_pb2.PullRequest(
             run_id=self.run_id,
@@ -503,6 +509,8 @@ class OuterSyncClient:
                     continue  # no chunk for this puller: only the stream's facts
                 payload = msg.payload if self.keys is None else open_update(self.keys.down, msg)
                 chunks[msg.header.seq] = EncodedChunk(msg.header.start, msg.header.numel, payload)
+                if on_chunk is not None:
+                    on_chunk(msg.header.seq, chunks[msg.header.seq])
             if shown is not None:
                 shown.close()
             if last is None:
