@@ -90,30 +90,22 @@ def _read_state(path: Path, reader: _Reader | _FileReader) -> dict[str, Any]:
     return state
 
 
-def write_stream(
-    path: Path, pieces: Iterable[memoryview], sealer: Sealer | None, label: str, unbuffered: bool = False
-) -> int:
+def write_stream(path: Path, pieces: Iterable[memoryview], sealer: Sealer | None, label: str) -> int:
     """Write the payload ``pieces`` to ``path`` atomically (see the module docstring); returns the
-    bytes written. ``unbuffered``: past the page cache (:mod:`.unbuffered`), for a file written
-    once and read rarely."""
+    bytes written. Past the page cache (:mod:`.unbuffered`): a snapshot or a logged update is
+    written once and read only by a restart, and through the page cache its fresh pages cost the
+    coordinator more CPU than the write itself (a 1.2 GB snapshot took 3.5-4 s at 100M
+    parameters)."""
     pieces = list(pieces)
     length = sum(p.nbytes for p in pieces)
     tmp = path.with_name(path.name + ".tmp")
     blocks = (
         _unsealed_blocks(pieces, length) if sealer is None else _sealed_blocks(pieces, length, sealer, label)
     )
-    if unbuffered:
-        with UnbufferedFile(tmp) as u:
-            for block in blocks:
-                u.write(block)
-            written = u.close()
-    else:
-        with open(tmp, "wb") as f:
-            for block in blocks:
-                f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-            written = f.tell()
+    with UnbufferedFile(tmp) as out:
+        for block in blocks:
+            out.write(block)
+        written = out.close()
     os.replace(tmp, path)
     _fsync_dir(path.parent)
     return written

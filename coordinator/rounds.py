@@ -520,12 +520,13 @@ class RoundController:
         started = time.monotonic()
         contributors, tokens = sorted(mean.contributors), mean.weight
         self._round_tokens = dict(mean.tokens)
+        kept = 1 if self.run_dir is not None else KEEP_UPDATES  # with a run directory: in the log
+        for old in [k for k in self.updates if k <= r - kept]:  # before the next is computed: a
+            del self.updates[old]  # pull still sending it holds its own reference
         update = await asyncio.to_thread(self._advance, r)
         computed = time.monotonic()
         digest = update.state_hash
         self.updates[r] = update
-        kept = 1 if self.run_dir is not None else KEEP_UPDATES  # with a run directory: in the log
-        self.updates.pop(r - kept, None)
         self.hashes[r + 1] = digest
         consumed = [
             [site, d.shard, d.start, d.end, d.epoch] for site in contributors for d in self.data_for(site)

@@ -65,8 +65,7 @@ def write_update(run_dir: Path, update: LoggedUpdate, sealer: Sealer | None) -> 
     }
     head = json.dumps(meta).encode()
     pieces = [memoryview(_LENGTH.pack(len(head)) + head), *(memoryview(c.payload) for c in update.chunks)]
-    path = update_path(run_dir, update.round)
-    return write_stream(path, pieces, sealer, _label(update.round), unbuffered=True)
+    return write_stream(update_path(run_dir, update.round), pieces, sealer, _label(update.round))
 
 
 def read_update(run_dir: Path, round_: int, sealer: Sealer | None) -> LoggedUpdate | None:
