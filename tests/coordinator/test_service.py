@@ -206,3 +206,19 @@ def test_sealed_chunk_to_an_insecure_run_is_named(
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     msgs[0].header.nonce = b""
     assert not stub.PushDelta(iter(msgs), timeout=10).duplicate  # the clean push still goes in
+
+
+def test_a_pull_hands_each_chunk_over_as_it_arrives() -> None:
+    """``on_chunk`` sees every chunk of the stream, in order, before the pull returns."""
+    cfg = tiny_config(min_sites=1, round_timeout_s=2.0, rounds=2, compression__chunk_elements=1000)
+    with CoordinatorThread(cfg) as c:
+        n = c.controller.num_params
+        client = OuterSyncClient(c.target, "site-a")
+        client.join()
+        chunks, _ = encode_chunks(parse_pipeline("q8|zstd:3"), torch.randn(n) * 1e-2, 1000, round_=0)
+        client.push(0, "q8|zstd:3", chunks, tokens=64)
+        seen: list[tuple[int, int, bytes]] = []
+        pulled = client.pull(0, on_chunk=lambda seq, chunk: seen.append((seq, chunk.start, chunk.payload)))
+        assert pulled.total_chunks == -(-n // 1000) > 1
+        assert [s for s, _, _ in seen] == list(range(pulled.total_chunks))
+        assert all(pulled.chunks[s].start == a and pulled.chunks[s].payload == p for s, a, p in seen)
