@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from geodiloco import logs
 from geodiloco.builders import build_data, build_model, check_workload_sized
 from geodiloco.config import RunConfig
+from geodiloco.coordinator.arenas import limit_arenas
 from geodiloco.coordinator.durable import STATE_FILE, STATE_LABEL
 from geodiloco.coordinator.fragments import FragmentedController, open_fragments
 from geodiloco.coordinator.journal import Journal
@@ -279,6 +280,7 @@ async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
     # Intake and commits run in worker threads; a short switch interval hands the GIL back to
     # the event loop sooner, so heartbeats and pulls are answered while they work.
     sys.setswitchinterval(0.001)
+    limit_arenas()  # before the server's threads allocate: see coordinator/arenas.py
     clock = StartupClock(time.monotonic())
     if opts.started is not None:
         clock.last = opts.started
