@@ -16,12 +16,14 @@ import ctypes.util
 import os
 import platform
 
+from geodiloco.coordinator.rounds_pool import BULK_WORKERS
+
 M_ARENA_MAX = -8  # glibc's malloc.h
 
 
 def arena_count() -> int:
-    """One arena per core the bulk pools use (:mod:`.rounds_pool`), at least two."""
-    return max(2, min(8, os.cpu_count() or 1))
+    """One arena per bulk worker (:mod:`.rounds_pool`), at least two."""
+    return max(2, BULK_WORKERS)
 
 
 def limit_arenas() -> bool:

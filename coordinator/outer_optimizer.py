@@ -19,16 +19,17 @@ SpanStep = Callable[[torch.Tensor, int], torch.Tensor]
 
 class OuterOptimizer(ABC):
     @abstractmethod
-    def round_step(self, numel: int) -> SpanStep:
-        """This round's step, as a function of one span of the averaged pseudo-gradient and the
-        span's first element: it returns the span's proposed change, computed in place (the
+    def round_step(self, like: torch.Tensor) -> SpanStep:
+        """This round's step for an averaged pseudo-gradient shaped, typed and placed like
+        ``like`` (its state is made like it), as a function of one span of it and the span's first
+        element: it returns the span's proposed change, computed in place (the
         span's storage holds it afterwards, no model-sized temporaries). Spans are disjoint and
         may be stepped in any order and in parallel, each while it is in cache; the round
         counts once, when this is called."""
 
     def step(self, avg_delta: torch.Tensor) -> torch.Tensor:
         """The proposed change for a whole averaged pseudo-gradient, in place."""
-        return self.round_step(avg_delta.numel())(avg_delta, 0)
+        return self.round_step(avg_delta)(avg_delta, 0)
 
     @abstractmethod
     def state_dict(self) -> dict[str, object]:
@@ -58,10 +59,10 @@ class NesterovOuter(OuterOptimizer):
             return self.momentum
         return self.momentum * min(1.0, self.steps / self.warmup_rounds)
 
-    def round_step(self, numel: int) -> SpanStep:
+    def round_step(self, like: torch.Tensor) -> SpanStep:
         mu, lr = self.current_momentum(), self.lr
         if self.buffer is None:
-            self.buffer = torch.zeros(numel, dtype=torch.float32)
+            self.buffer = torch.zeros_like(like)
         buffer = self.buffer
         self.steps += 1
 
@@ -87,7 +88,7 @@ class FedAvgOuter(OuterOptimizer):
     def __init__(self, lr: float = 1.0) -> None:
         self.lr = lr
 
-    def round_step(self, numel: int) -> SpanStep:
+    def round_step(self, like: torch.Tensor) -> SpanStep:
         lr = self.lr
         return lambda avg, start: avg.mul_(-lr)
 

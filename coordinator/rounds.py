@@ -521,8 +521,10 @@ class RoundController:
         contributors, tokens = sorted(mean.contributors), mean.weight
         self._round_tokens = dict(mean.tokens)
         kept = 1 if self.run_dir is not None else KEEP_UPDATES  # with a run directory: in the log
-        for old in [k for k in self.updates if k <= r - kept]:  # before the next is computed: a
-            del self.updates[old]  # pull still sending it holds its own reference
+        # The older updates leave memory before the next is computed (a pull still sending one
+        # holds its own reference), freed in a worker: a model-sized free is not the loop's work.
+        dropped = [self.updates.pop(k) for k in [k for k in self.updates if k <= r - kept]]
+        await asyncio.to_thread(dropped.clear)
         update = await asyncio.to_thread(self._advance, r)
         computed = time.monotonic()
         digest = update.state_hash
@@ -569,7 +571,7 @@ class RoundController:
         every step on a chunk while it is in cache: average, outer step, compensate with the
         downlink residual, encode, keep what the encoding dropped, apply the decoded change, and
         hash and measure the new θ. A round costs a few passes over the model, not one per step."""
-        step = self.optimizer.round_step(self.num_params)
+        step = self.optimizer.round_step(self.mean.total)
         residual, decay = self.downlink_feedback.residual, self.downlink_feedback.decay
 
         def one(span: tuple[int, int]) -> tuple[EncodedChunk, Checksum, float]:

@@ -15,6 +15,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+BULK_WORKERS = min(8, os.cpu_count() or 1)  # the round close's chunk passes
 BULK_NICENESS = 5  # added to the process's; raising one's own niceness needs no privilege
 
 
@@ -30,4 +31,4 @@ def bulk_pool(workers: int, name: str) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=_lower_priority)
 
 
-WORKERS = bulk_pool(min(8, os.cpu_count() or 1), "chunks")
+WORKERS = bulk_pool(BULK_WORKERS, "chunks")

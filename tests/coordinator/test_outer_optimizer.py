@@ -65,3 +65,28 @@ def test_steps_reuse_the_averaged_delta_in_place() -> None:
 def test_build_from_config() -> None:
     assert isinstance(build_outer_optimizer(OuterConfig(optimizer="fedavg", lr=1.0)), FedAvgOuter)
     assert isinstance(build_outer_optimizer(OuterConfig()), NesterovOuter)
+
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_span_steps_equal_the_whole_step_and_keep_state_where_the_mean_lives(device: str) -> None:
+    """The round close steps chunk spans in any order; the momentum is made like the mean."""
+    whole, spans = NesterovOuter(lr=0.7, momentum=0.9), NesterovOuter(lr=0.7, momentum=0.9)
+    for r in range(3):
+        d = torch.randn(10, dtype=torch.float64, device=device) + r
+        expected = whole.step(d.clone())
+        got = d.clone()
+        step = spans.round_step(got)
+        for start, end in ((6, 10), (0, 3), (3, 6)):
+            step(got[start:end], start)
+        assert torch.equal(got, expected)
+    assert spans.buffer is not None and spans.buffer.dtype == torch.float64
+    assert spans.buffer.device.type == device and spans.steps == whole.steps == 3
