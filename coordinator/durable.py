@@ -25,7 +25,7 @@ import os
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import xxhash
@@ -33,7 +33,7 @@ import xxhash
 from geodiloco.coordinator.errors import CorruptStateError as CorruptStateError
 from geodiloco.coordinator.errors import StateError as StateError
 from geodiloco.coordinator.rundir import STATE_FILE as STATE_FILE
-from geodiloco.coordinator.unbuffered import UnbufferedFile
+from geodiloco.coordinator.unbuffered import UnbufferedFile, UnbufferedReader
 from geodiloco.security.sealing import NONCE_BYTES, TAG_BYTES, Sealer, SealError
 
 # An unsealed file is checksummed against torn writes and corruption, not against an attacker
@@ -69,7 +69,7 @@ def load_state(path: Path, sealer: Sealer | None = None) -> dict[str, Any] | Non
     file. Anything else is refused with the reason, never loaded."""
     if not path.exists():
         return None
-    with open(path, "rb") as f:
+    with UnbufferedReader(path) as f:
         return _read_state(path, _open_reader(path, f, sealer, STATE_LABEL))
 
 
@@ -130,18 +130,18 @@ def _sealed_blocks(
         yield sealed
 
 
-def read_payload(path: Path, sealer: Sealer | None, label: str) -> bytes:
+def read_payload(path: Path, sealer: Sealer | None, label: str) -> bytes | bytearray:
     """The whole verified payload of ``path``."""
-    with open(path, "rb") as f:
+    with UnbufferedReader(path) as f:
         return _open_reader(path, f, sealer, label).rest()
 
 
-def _open_reader(path: Path, f: BinaryIO, sealer: Sealer | None, label: str) -> _Reader | _FileReader:
+def _open_reader(path: Path, f: UnbufferedReader, sealer: Sealer | None, label: str) -> _Reader | _FileReader:
     """A reader of ``f``'s payload, after the checks of its kind (sealed or checksummed). A
     checksummed file is verified at its end: trust what was read only once ``rest()`` returned."""
     magic = f.read(8)
     f.seek(0)
-    size = os.fstat(f.fileno()).st_size
+    size = f.size
     if magic == SEALED_MAGIC:
         if sealer is None:
             raise StateError(
@@ -158,7 +158,7 @@ def _open_reader(path: Path, f: BinaryIO, sealer: Sealer | None, label: str) -> 
     raise CorruptStateError(f"{path}: not a geodiloco coordinator state file")
 
 
-def _open_segments(path: Path, f: BinaryIO, size: int, sealer: Sealer, label: str) -> Iterator[bytes]:
+def _open_segments(path: Path, f: UnbufferedReader, size: int, sealer: Sealer, label: str) -> Iterator[bytes]:
     if size < _SEALED_HEADER.size:
         raise CorruptStateError(f"{path}: shorter than its header")
     _, key_id, length, segment_bytes = _SEALED_HEADER.unpack(f.read(_SEALED_HEADER.size))
@@ -308,7 +308,7 @@ class _FileReader:
     """Sequential reads of a checksummed file straight into their destinations (a tensor's
     memory: no copy through segments), hashed as they go and verified by ``rest()``."""
 
-    def __init__(self, path: Path, f: BinaryIO, size: int) -> None:
+    def __init__(self, path: Path, f: UnbufferedReader, size: int) -> None:
         header = _HEADER if f.read(8) == MAGIC else _HEADER_SHA256
         f.seek(0)
         if size < header.size:
@@ -322,7 +322,7 @@ class _FileReader:
     def readinto(self, out: memoryview) -> None:
         at = 0
         while at < out.nbytes:
-            got = self._f.readinto(out[at:])  # type: ignore[attr-defined]
+            got = self._f.readinto(out[at:])
             if not got:
                 raise CorruptStateError(f"{self._path}: the state ends early (truncated)")
             at += got
@@ -333,7 +333,7 @@ class _FileReader:
         self.readinto(memoryview(out))
         return bytes(out)
 
-    def rest(self) -> bytes:
+    def rest(self) -> bytearray:
         """Everything left, once the whole file is verified."""
         data = self._f.read()
         self._digest.update(data)

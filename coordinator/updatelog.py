@@ -73,13 +73,13 @@ def read_update(run_dir: Path, round_: int, sealer: Sealer | None) -> LoggedUpda
     path = update_path(run_dir, round_)
     if not path.exists():
         return None
-    data = read_payload(path, sealer, _label(round_))
+    data = memoryview(read_payload(path, sealer, _label(round_)))
     try:
         (length,) = _LENGTH.unpack_from(data)
-        meta = json.loads(data[_LENGTH.size : _LENGTH.size + length])
+        meta = json.loads(bytes(data[_LENGTH.size : _LENGTH.size + length]))
         at, chunks = _LENGTH.size + length, []
         for start, numel, size in meta["chunks"]:
-            chunks.append(EncodedChunk(int(start), int(numel), data[at : at + size]))
+            chunks.append(EncodedChunk(int(start), int(numel), bytes(data[at : at + size])))
             at += size
         update = LoggedUpdate(
             meta["run_id"],
@@ -92,7 +92,7 @@ def read_update(run_dir: Path, round_: int, sealer: Sealer | None) -> LoggedUpda
         )
     except (ValueError, KeyError, TypeError, struct.error) as exc:
         raise CorruptStateError(f"{path}: not a logged update ({exc})") from None
-    if update.round != round_ or at != len(data):
+    if update.round != round_ or at != data.nbytes:
         raise CorruptStateError(f"{path}: holds round {update.round}, not {round_} (moved or altered)")
     return update
 

@@ -83,7 +83,7 @@ class Sealer:
         nonce = os.urandom(NONCE_BYTES)
         return nonce, self._aead.encrypt(nonce, payload, aad)
 
-    def open(self, nonce: bytes, sealed: bytes, aad: bytes) -> bytes:
+    def open(self, nonce: bytes | bytearray, sealed: bytes | bytearray, aad: bytes) -> bytes:
         if len(nonce) != NONCE_BYTES:
             raise SealError(f"nonce must be {NONCE_BYTES} bytes, got {len(nonce)}")
         if len(sealed) < TAG_BYTES:
