@@ -55,7 +55,7 @@ from geodiloco.compression import EncodedChunk, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.params import Checksum
 from geodiloco.segment import Segment
-from geodiloco.site.client import Heartbeater, LazyChunks, OuterSyncClient, WireChunk
+from geodiloco.site.client import Heartbeater, LazyChunks, OuterSyncClient, StreamFacts, WireChunk
 
 HERE = Path(__file__).resolve().parent
 CODEC = "q8|zstd:1"
@@ -140,7 +140,7 @@ def site_main(args: argparse.Namespace) -> None:
     codec = parse_pipeline(CODEC)
     parts: dict[int, Checksum] = {}  # a round's pulled chunks, hashed by sequence number
 
-    def apply(seq: int, chunk: EncodedChunk) -> None:  # as a site applies: decode, add, hash
+    def apply(seq: int, chunk: EncodedChunk, facts: StreamFacts) -> None:  # decode, add, hash, as a site does
         piece = scratch[: chunk.numel]
         piece.copy_(codec.decode(chunk.payload, chunk.numel))
         parts[seq] = Checksum()

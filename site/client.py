@@ -163,6 +163,20 @@ class LazyChunks(Sequence[WireChunk]):
 
 
 @dataclass(frozen=True, slots=True)
+class StreamFacts:
+    """What every chunk of one pull stream shares; a chunk's bytes mean something only with
+    them (an update's chunk is added, a full state's replaces)."""
+
+    is_full_state: bool
+    codec: str
+    round: int
+    state_hash: str
+
+
+ChunkSink = Callable[[int, EncodedChunk, StreamFacts], None]  # (seq, chunk, its stream's facts)
+
+
+@dataclass(frozen=True, slots=True)
 class PulledPart:
     """What one puller received of an update or full state: its share of the chunks (opened,
     still encoded) and the stream's facts, which are the same for every puller."""
@@ -189,6 +203,10 @@ class PulledPart:
             self.finished,
             self.data,
         )
+
+    @property
+    def stream(self) -> StreamFacts:
+        return StreamFacts(self.is_full_state, self.codec, self.round, self.state_hash)
 
 
 def wire_chunk(chunk: WireChunk | EncodedChunk) -> WireChunk:
@@ -464,15 +482,15 @@ class OuterSyncClient:
         part: int = 0,
         parts: int = 1,
         fragment: int = 0,
-        on_chunk: Callable[[int, EncodedChunk], None] | None = None,
+        on_chunk: ChunkSink | None = None,
     ) -> PulledPart:
         """This puller's share of the update closing ``round_`` (waits for its commit), or of the
         full current state: the chunks with ``seq % parts == part``, opened but not decoded.
 
-        ``on_chunk(seq, chunk)`` is called with each chunk as it arrives, on this thread, so that
-        decoding overlaps the chunks still on the wire. A retried stream calls it again for the
-        chunks it brings again: keep what it computes by ``seq``, and use it only once the pull
-        has returned."""
+        ``on_chunk(seq, chunk, facts)`` is called with each chunk as it arrives, on this thread,
+        so that decoding overlaps the chunks still on the wire. A retried stream calls it again
+        for the chunks it brings again, possibly under other facts (an update no longer kept
+        comes back as the full state): key what it does by facts and ``seq``."""
         kind = outer_sync_pb2.PullRequest.FULL_STATE if full_state else outer_sync_pb2.PullRequest.UPDATE
         request = outer_sync_pb2.PullRequest(
             run_id=self.run_id,
@@ -510,7 +528,13 @@ class OuterSyncClient:
                 payload = msg.payload if self.keys is None else open_update(self.keys.down, msg)
                 chunks[msg.header.seq] = EncodedChunk(msg.header.start, msg.header.numel, payload)
                 if on_chunk is not None:
-                    on_chunk(msg.header.seq, chunks[msg.header.seq])
+                    facts = StreamFacts(
+                        msg.kind == outer_sync_pb2.PullRequest.FULL_STATE,
+                        msg.header.codec,
+                        msg.header.round,
+                        msg.state_hash,
+                    )
+                    on_chunk(msg.header.seq, chunks[msg.header.seq], facts)
             if shown is not None:
                 shown.close()
             if last is None:

@@ -14,7 +14,7 @@ import grpc
 
 from geodiloco.compression import EncodedChunk
 from geodiloco.security.tls import TlsFiles
-from geodiloco.site.client import Heartbeater, OuterSyncClient, PulledPart, WireChunk
+from geodiloco.site.client import ChunkSink, Heartbeater, OuterSyncClient, PulledPart, WireChunk
 from geodiloco.site.link import Joined, Late, LinkError, PushAgain, Resync
 from geodiloco.workload.data import DataRange
 
@@ -103,11 +103,25 @@ class GrpcLink:
         )
 
     def pull(
-        self, fragment: int, round_: int, *, full_state: bool, part: int, parts: int, timeout_s: float
+        self,
+        fragment: int,
+        round_: int,
+        *,
+        full_state: bool,
+        part: int,
+        parts: int,
+        timeout_s: float,
+        on_chunk: ChunkSink | None = None,
     ) -> PulledPart:
         return _call(
             lambda: self.client.pull(
-                round_, full_state=full_state, timeout_s=timeout_s, part=part, parts=parts, fragment=fragment
+                round_,
+                full_state=full_state,
+                timeout_s=timeout_s,
+                part=part,
+                parts=parts,
+                fragment=fragment,
+                on_chunk=on_chunk,
             )
         )
 

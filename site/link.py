@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from geodiloco.compression import EncodedChunk
-from geodiloco.site.client import FragmentState, JoinInfo, PulledPart, WireChunk
+from geodiloco.site.client import ChunkSink, FragmentState, JoinInfo, PulledPart, WireChunk
 from geodiloco.workload.data import DataRange
 
 __all__ = [
+    "ChunkSink",
     "FragmentState",
     "JoinInfo",
     "Joined",
@@ -102,10 +103,19 @@ class Link(Protocol):
         ...
 
     def pull(
-        self, fragment: int, round_: int, *, full_state: bool, part: int, parts: int, timeout_s: float
+        self,
+        fragment: int,
+        round_: int,
+        *,
+        full_state: bool,
+        part: int,
+        parts: int,
+        timeout_s: float,
+        on_chunk: ChunkSink | None = None,
     ) -> PulledPart:
         """This puller's share of the update closing the fragment's ``round_`` (waits for its
-        commit), or of the fragment's current full state."""
+        commit), or of the fragment's current full state; ``on_chunk`` as in
+        :meth:`OuterSyncClient.pull`."""
         ...
 
     def report(

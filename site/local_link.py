@@ -28,7 +28,7 @@ from geodiloco.coordinator.errors import (
 from geodiloco.coordinator.fragments import FragmentedController
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.fragments import FragmentPlan
-from geodiloco.site.client import JoinInfo, PulledPart, WireChunk, wire_chunk
+from geodiloco.site.client import ChunkSink, JoinInfo, PulledPart, WireChunk, wire_chunk
 from geodiloco.site.link import FragmentState, Joined, Late, LinkError, PushAgain, Resync
 from geodiloco.workload.data import DataRange
 
@@ -235,8 +235,17 @@ class LocalLink:
             raise
 
     def pull(
-        self, fragment: int, round_: int, *, full_state: bool, part: int, parts: int, timeout_s: float
+        self,
+        fragment: int,
+        round_: int,
+        *,
+        full_state: bool,
+        part: int,
+        parts: int,
+        timeout_s: float,
+        on_chunk: ChunkSink | None = None,
     ) -> PulledPart:
+        """As over gRPC; ``on_chunk`` sees the chunks once the whole share is here (no wire)."""
         c = self._fragment(fragment)
 
         async def pull() -> PulledPart:
@@ -273,6 +282,9 @@ class LocalLink:
 
         pulled = self._run(pull(), timeout_s)
         self.bytes_received += sum(len(ch.payload) for ch in pulled.chunks.values())
+        if on_chunk is not None:
+            for seq, chunk in pulled.chunks.items():
+                on_chunk(seq, chunk, pulled.stream)
         return pulled
 
     def report(

@@ -50,6 +50,7 @@ from geodiloco.site.fragments import FragmentPlan, ParameterSubset, Schedule
 from geodiloco.site.group import SiteGroup
 from geodiloco.site.grpc_link import GrpcLink
 from geodiloco.site.link import FragmentState, Joined, JoinInfo, Link, LinkError, PushAgain, Resync
+from geodiloco.site.pull_apply import ApplyAsPulled, TornSnapshot
 from geodiloco.site.shards import ShardMap, subview
 from geodiloco.workload.data import DataRange
 
@@ -164,6 +165,7 @@ class FragmentSync:
         self.tokens = 0  # trained since this fragment's last push
         self.in_flight: InFlight | None = None
         self.digest_after = ""  # the snapshot's hash after the last merge
+        self.as_pulled: ApplyAsPulled | None = None  # a single rank's pull, applied as it arrives
 
     @property
     def link(self) -> Link:
@@ -454,6 +456,10 @@ class FragmentSync:
         return pulled
 
     def pull(self, round_: int, full_state: bool) -> PulledPart:
+        """This rank's share of the stream; on a site of one rank, already applied to the
+        snapshot (:mod:`.pull_apply`) when it returns, and :meth:`apply` only checks it."""
+        if self.group.world == 1 and self.as_pulled is None:
+            self.as_pulled = ApplyAsPulled(self.shards, lambda: self.snapshot)
         return self.link.pull(
             self.index,
             round_,
@@ -461,6 +467,7 @@ class FragmentSync:
             part=self.group.rank,
             parts=self.group.world,
             timeout_s=self.owner.pull_timeout_s,
+            on_chunk=self.as_pulled,
         )
 
     def agreed_pull(self, full_state: bool, round_: int | None = None) -> PulledPart:
@@ -478,7 +485,23 @@ class FragmentSync:
 
     @torch.no_grad()
     def apply(self, pulled: PulledPart) -> None:
-        """Decode every chunk on the ranks that hold its elements: snapshot += update (or = state)."""
+        """Decode every chunk on the ranks that hold its elements: snapshot += update (or = state).
+        A single rank's pull was applied as it arrived: only its coverage is checked."""
+        as_pulled, self.as_pulled = self.as_pulled, None
+        if as_pulled is not None and as_pulled.covers(pulled):
+            written = as_pulled.written
+        elif as_pulled is not None and as_pulled.touched:
+            raise TornSnapshot(f"the snapshot holds part of another stream than round {pulled.round}'s")
+        else:
+            written = self._decode_shared(pulled)
+        if written != self.shards.local_numel:
+            raise RuntimeError(
+                f"the pulled chunks covered {written} of this rank's {self.shards.local_numel} elements"
+            )
+
+    def _decode_shared(self, pulled: PulledPart) -> int:
+        """Each chunk shared by the rank that pulled it and applied where its elements are;
+        returns the elements this rank wrote."""
         codec = parse_pipeline(pulled.codec)
         snapshot = self.snapshot
         written = 0
@@ -491,10 +514,7 @@ class FragmentSync:
                 chunk.payload, chunk.numel, Place.span(pulled.round, chunk.start, chunk.numel)
             )
             written += self.shards.scatter_range(chunk.start, values, snapshot, add=not pulled.is_full_state)
-        if written != self.shards.local_numel:
-            raise RuntimeError(
-                f"the pulled chunks covered {written} of this rank's {self.shards.local_numel} elements"
-            )
+        return written
 
 
 def _digest(shards: ShardMap, group: SiteGroup, tensors: list[torch.Tensor] | None) -> str:

@@ -11,9 +11,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from geodiloco.compression import encode_chunks, parse_pipeline
+from geodiloco.compression import EncodedChunk, encode_chunks, parse_pipeline
 from geodiloco.params import state_hash
-from geodiloco.site.client import OuterSyncClient, delta_messages
+from geodiloco.site.client import OuterSyncClient, StreamFacts, delta_messages
 from geodiloco.v1 import outer_sync_pb2_grpc
 from helpers import CoordinatorThread, tiny_config
 
@@ -218,7 +218,14 @@ def test_a_pull_hands_each_chunk_over_as_it_arrives() -> None:
         chunks, _ = encode_chunks(parse_pipeline("q8|zstd:3"), torch.randn(n) * 1e-2, 1000, round_=0)
         client.push(0, "q8|zstd:3", chunks, tokens=64)
         seen: list[tuple[int, int, bytes]] = []
-        pulled = client.pull(0, on_chunk=lambda seq, chunk: seen.append((seq, chunk.start, chunk.payload)))
+        facts: set[StreamFacts] = set()
+
+        def take(seq: int, chunk: EncodedChunk, stream: StreamFacts) -> None:
+            seen.append((seq, chunk.start, chunk.payload))
+            facts.add(stream)
+
+        pulled = client.pull(0, on_chunk=take)
         assert pulled.total_chunks == -(-n // 1000) > 1
+        assert facts == {pulled.stream} and not pulled.is_full_state
         assert [s for s, _, _ in seen] == list(range(pulled.total_chunks))
         assert all(pulled.chunks[s].start == a and pulled.chunks[s].payload == p for s, a, p in seen)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from geodiloco.faults import FAULT_PLAN_ENV, fired
 from geodiloco.params import flatten_parameters, state_hash
 from geodiloco.site import OuterSync, OuterSyncClient
+from geodiloco.wan import LinkConfig, ProxyThread
 from geodiloco.workload import build_model
 from helpers import CoordinatorThread, free_port, tiny_config
 
@@ -59,6 +63,36 @@ def test_sites_apply_identical_updates_through_the_api(overlap: int) -> None:
         assert (params["site-a"] == expected) == (overlap == 0)
         assert state_hash(coordinator.controller.theta) == expected[-1]
         assert all(h.hashes_agree and len(h.hash_reports) == 2 for h in coordinator.controller.history)
+
+
+def test_a_pull_broken_midway_is_applied_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A site of one rank applies its pull as the chunks arrive: when its link is reset after
+    three chunks of round 1, the stream comes again from the start, and the chunks it brings
+    again are not added a second time (the hashes would part). The link is slow (0.1 Mbit/s,
+    an update's 16 chunks take about half a second), so the reset cuts the stream midway."""
+    cfg = tiny_config(rounds=3, compression__chunk_elements=500)
+    slow = LinkConfig(bandwidth_mbps=0.1)
+    with (
+        CoordinatorThread(cfg) as coordinator,
+        ProxyThread(coordinator.target, slow, control_port=0) as proxy,
+    ):
+        plan = tmp_path / "plan.json"
+        drop = {"action": "drop", "site": "site-a", "round": 1, "at": "pull", "chunk": 3}
+        plan.write_text(json.dumps({"links": {"site-a": proxy.control_address}, "faults": [drop]}))
+        monkeypatch.setenv(FAULT_PLAN_ENV, str(plan))
+        results: dict[str, list[str]] = {}
+        targets = {"site-a": proxy.address, "site-b": coordinator.target}
+        threads = [
+            threading.Thread(target=train_site, args=(target, name, results, {}))
+            for name, target in targets.items()
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert fired(plan)[0]["fault"] == {**fired(plan)[0]["fault"], **drop}
+        expected = [coordinator.controller.hashes[r] for r in (1, 2, 3)]
+        assert results["site-a"] == results["site-b"] == expected
 
 
 def test_late_site_catches_up_from_full_state() -> None:

@@ -1,0 +1,74 @@
+"""A single-rank site's pull applied to its snapshot chunk by chunk, as the stream brings it, so
+that decoding overlaps the chunks still on the wire. (A site of several ranks shares each chunk
+with the ranks that hold its elements once the pull is over: collectives cannot run on the
+thread that pulls.)
+
+A stream retried after a break brings its chunks again, and an update's chunk is an addition:
+adding one twice would corrupt θ. So a chunk is applied once per stream (its facts) and sequence
+number, across the retries of one pull and the pulls of one round (a failed exchange pulls the
+same committed update again; committed updates are durable, so a restarted coordinator serves
+the same bytes). A full state replaces every element, so it may follow a partly applied update;
+an update after a partly applied other stream cannot be made right and is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from geodiloco.compression import EncodedChunk, Pipeline, Place, parse_pipeline
+from geodiloco.site.client import PulledPart, StreamFacts
+from geodiloco.site.shards import ShardMap
+
+
+class TornSnapshot(RuntimeError):
+    """The snapshot holds part of one stream and cannot take another update on top of it."""
+
+
+class ApplyAsPulled:
+    """An ``on_chunk`` sink that applies each chunk to the snapshot once (see the module)."""
+
+    def __init__(self, shards: ShardMap, snapshot: Callable[[], list[torch.Tensor]]) -> None:
+        self._shards = shards
+        self._snapshot = snapshot
+        self._facts: StreamFacts | None = None
+        self._codec: Pipeline | None = None
+        self._done: dict[int, tuple[int, int, int]] = {}  # seq -> start, numel, elements written
+
+    @property
+    def touched(self) -> bool:
+        """Whether some chunk has changed the snapshot."""
+        return any(written for _, _, written in self._done.values())
+
+    @torch.no_grad()
+    def __call__(self, seq: int, chunk: EncodedChunk, facts: StreamFacts) -> None:
+        if facts != self._facts:
+            if self.touched and not facts.is_full_state:
+                raise TornSnapshot(
+                    f"the snapshot holds part of round {self._facts.round if self._facts else '?'}'s "
+                    f"stream; another update (round {facts.round}) cannot be added to it"
+                )
+            self._facts, self._codec, self._done = facts, parse_pipeline(facts.codec), {}
+        done = self._done.get(seq)
+        if done is not None:
+            if done[:2] != (chunk.start, chunk.numel):
+                raise TornSnapshot(f"chunk {seq} of round {facts.round} came again with other elements")
+            return
+        written = 0
+        if self._shards.holds(chunk.start, chunk.numel):
+            assert self._codec is not None
+            place = Place.span(facts.round, chunk.start, chunk.numel)
+            values = self._codec.decode(chunk.payload, chunk.numel, place)
+            add = not facts.is_full_state
+            written = self._shards.scatter_range(chunk.start, values, self._snapshot(), add=add)
+        self._done[seq] = (chunk.start, chunk.numel, written)
+
+    def covers(self, pulled: PulledPart) -> bool:
+        """Whether ``pulled`` is the stream applied here, every chunk of it."""
+        return pulled.stream == self._facts and pulled.chunks.keys() <= self._done.keys()
+
+    @property
+    def written(self) -> int:
+        """Elements of the snapshot the current stream has written."""
+        return sum(written for _, _, written in self._done.values())

@@ -1,0 +1,89 @@
+"""A single rank's pull applied as it arrives: each chunk once, whatever a retry brings again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from geodiloco.compression import EncodedChunk, Place, encode_chunks, parse_pipeline
+from geodiloco.site.client import PulledPart, StreamFacts
+from geodiloco.site.pull_apply import ApplyAsPulled, TornSnapshot
+from geodiloco.site.shards import ShardMap
+
+CODEC = "q8|zstd:1"
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+)
+
+
+def model_on(device: str) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(30, 40), nn.Linear(40, 7)).to(device)
+
+
+def stream(
+    numel: int, round_: int, full_state: bool = False
+) -> tuple[list[EncodedChunk], StreamFacts, torch.Tensor]:
+    """A stream's chunks, its facts and the values a receiver decodes from it."""
+    spec = "fp32" if full_state else CODEC
+    codec = parse_pipeline(spec)
+    chunks, _ = encode_chunks(codec, torch.randn(numel) * 1e-2, 300, round_=round_)
+    values = torch.cat(
+        [codec.decode(c.payload, c.numel, Place.span(round_, c.start, c.numel)) for c in chunks]
+    )
+    return chunks, StreamFacts(full_state, spec, round_, f"hash-{round_}-{full_state}"), values
+
+
+def pulled_part(chunks: list[EncodedChunk], facts: StreamFacts) -> PulledPart:
+    return PulledPart(
+        facts.is_full_state, facts.codec, len(chunks), dict(enumerate(chunks)), facts.round,
+        facts.round + 1, facts.state_hash, False, [],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_retried_stream_adds_each_chunk_once(device: str) -> None:
+    shards = ShardMap(model_on(device), 0, 1)
+    snapshot = shards.clone_locals()
+    base = shards.gather_owned(snapshot).cpu()
+    chunks, facts, values = stream(shards.num_params, round_=3)
+    sink = ApplyAsPulled(shards, lambda: snapshot)
+    for seq in range(4):  # the first attempt breaks after four chunks...
+        sink(seq, chunks[seq], facts)
+    assert sink.touched and not sink.covers(pulled_part(chunks, facts))
+    for seq, chunk in enumerate(chunks):  # ...the retry brings them all again
+        sink(seq, chunk, facts)
+    assert sink.covers(pulled_part(chunks, facts)) and sink.written == shards.local_numel
+    assert torch.equal(shards.gather_owned(snapshot).cpu(), base + values)
+    assert {t.device.type for t in snapshot} == {device}
+
+
+def test_a_full_state_after_part_of_an_update_replaces_every_element() -> None:
+    shards = ShardMap(model_on("cpu"), 0, 1)
+    snapshot = shards.clone_locals()
+    update, update_facts, _ = stream(shards.num_params, round_=5)
+    state, state_facts, values = stream(shards.num_params, round_=6, full_state=True)
+    sink = ApplyAsPulled(shards, lambda: snapshot)
+    sink(0, update[0], update_facts)  # the update was no longer kept when the stream came again
+    for seq, chunk in enumerate(state):
+        sink(seq, chunk, state_facts)
+    assert sink.covers(pulled_part(state, state_facts))
+    assert not sink.covers(pulled_part(update, update_facts))
+    assert torch.equal(shards.gather_owned(snapshot), values)
+
+
+def test_another_update_on_a_partly_applied_one_is_refused() -> None:
+    shards = ShardMap(model_on("cpu"), 0, 1)
+    snapshot = shards.clone_locals()
+    first, first_facts, _ = stream(shards.num_params, round_=1)
+    second, second_facts, _ = stream(shards.num_params, round_=2)
+    sink = ApplyAsPulled(shards, lambda: snapshot)
+    sink(0, first[0], first_facts)
+    before = [t.clone() for t in snapshot]
+    with pytest.raises(TornSnapshot, match="round 1's stream"):
+        sink(0, second[0], second_facts)
+    with pytest.raises(TornSnapshot, match="other elements"):  # same seq, other elements: not the same stream
+        sink(0, EncodedChunk(first[1].start, first[1].numel, first[1].payload), first_facts)
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot, strict=True))
