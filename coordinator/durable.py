@@ -7,8 +7,9 @@ model of any size costs one segment of memory beyond the tensors themselves.
 
 A state's payload is a small skeleton (plain containers, read with
 ``torch.load(weights_only=True)``: never arbitrary pickled objects) followed by the raw bytes of
-its tensors, read straight into freshly allocated tensors. Files written by earlier versions
-(one ``torch.save`` payload) are still read.
+its tensors, read into freshly allocated tensors. Files are written and read past the page cache
+(:mod:`.unbuffered`). Files written by earlier versions (one ``torch.save`` payload) are still
+read.
 
 When the run seals its payloads (it has a run secret), these files are sealed too: AES-256-GCM
 under a key derived from the run secret for this run, every segment's index, the segment count,
@@ -305,8 +306,8 @@ class _Reader:
 
 
 class _FileReader:
-    """Sequential reads of a checksummed file straight into their destinations (a tensor's
-    memory: no copy through segments), hashed as they go and verified by ``rest()``."""
+    """Sequential reads of a checksummed file into their destinations (a tensor's memory: no
+    copy through segments), hashed as they go and verified by ``rest()``."""
 
     def __init__(self, path: Path, f: UnbufferedReader, size: int) -> None:
         header = _HEADER if f.read(8) == MAGIC else _HEADER_SHA256
