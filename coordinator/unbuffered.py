@@ -52,13 +52,7 @@ class UnbufferedFile:
     truncates to the bytes written and fsyncs. Use it as a context manager."""
 
     def __init__(self, path: Path) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        try:
-            self._fd = os.open(path, flags | _DIRECT, 0o666)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self._fd = os.open(path, flags, 0o666)
+        self._fd = _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         self._buffer = _take_buffer()
         self._view = memoryview(self._buffer)
         self._used = 0
@@ -117,12 +111,7 @@ class UnbufferedReader:
     consumed. A binary file's ``read``, ``readinto`` and ``seek``; use it as a context manager."""
 
     def __init__(self, path: Path) -> None:
-        try:
-            self._fd = os.open(path, os.O_RDONLY | _DIRECT)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self._fd = os.open(path, os.O_RDONLY)
+        self._fd = _open(path, os.O_RDONLY)
         self.size = os.fstat(self._fd).st_size
         self._buffer, self._spare = _take_buffer(), _take_buffer()
         self._view = memoryview(self._buffer)
@@ -201,6 +190,16 @@ class UnbufferedReader:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _open(path: Path, flags: int) -> int:
+    """``path`` opened with ``flags``, past the page cache where the file system allows it."""
+    try:
+        return os.open(path, flags | _DIRECT, 0o666)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return os.open(path, flags, 0o666)
 
 
 def _is_direct(fd: int) -> bool:
