@@ -39,7 +39,7 @@ class ApplyAsPulled:
     @property
     def touched(self) -> bool:
         """Whether some chunk has changed the snapshot."""
-        return any(written for _, _, written in self._done.values())
+        return self.written > 0
 
     @torch.no_grad()
     def __call__(self, seq: int, chunk: EncodedChunk, facts: StreamFacts) -> None:
