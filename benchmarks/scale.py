@@ -10,8 +10,8 @@ site process per site. A synthetic site trains nothing: each round it pushes a s
 pseudo-gradient through the real client (encoded chunk by chunk as the stream sends it),
 pulls the committed update, decodes it and adds and hashes it chunk by chunk as a site
 applies it. Every byte crosses the real client, wire, coordinator and durable state. The sites
-run at a lower CPU priority than the coordinator and the probe (nice +10): in a deployment they
-run on machines of their own, not on the coordinator's two cores.
+run in Linux's idle scheduling class (``SCHED_IDLE``; nice +10 where that is refused): in a
+deployment they run on machines of their own, not on the coordinator's two cores.
 
 Per case, over the measured rounds (the first is left out):
 - ``overhead_s``: median time between consecutive round ends (the sites compute nothing, so
@@ -56,12 +56,13 @@ from geodiloco.config import RunConfig
 from geodiloco.params import Checksum
 from geodiloco.segment import Segment
 from geodiloco.site.client import Heartbeater, LazyChunks, OuterSyncClient, StreamFacts, WireChunk
+from geodiloco.site.pages import keep_freed_pages
 
 HERE = Path(__file__).resolve().parent
 CODEC = "q8|zstd:1"
 CHUNK = 1 << 20
 PROBE_S = 0.05
-SITE_NICENESS = 10  # relative to the coordinator and the probe (see site_main)
+SITE_NICENESS = 10  # relative to the coordinator and the probe, where SCHED_IDLE is refused
 
 
 class FlatModel(nn.Module):
@@ -123,11 +124,20 @@ class SeededDelta(LazyChunks):
         return WireChunk(Segment(start, 1, n, n), self.codec.encode(values))
 
 
+def lower_priority() -> None:
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, or refused
+        os.nice(SITE_NICENESS)
+
+
 def site_main(args: argparse.Namespace) -> None:
     # In a deployment every site has its own machines; here they share the coordinator's cores.
-    # A lower priority keeps their CPU from counting as the coordinator's stall: they still get
-    # every cycle the coordinator does not use.
-    os.nice(SITE_NICENESS)
+    # The idle class keeps their CPU from counting as the coordinator's stall: they get every
+    # cycle the coordinator and the probe do not use, and none they want. Nice +10 did not
+    # (8 sites at nice +10 weigh 8 x 110 against the coordinator's 1024: nearly half the CPU).
+    lower_priority()
+    keep_freed_pages()  # as a site's ranks do (site/worker.py)
     torch.set_num_threads(1)  # as a site's ranks run (torchrun's OMP_NUM_THREADS=1): idle OpenMP
     # threads spin, and here they would spin on the coordinator's cores
     client = OuterSyncClient(args.target, args.site)

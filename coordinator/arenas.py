@@ -11,14 +11,8 @@ anyway, so fewer arenas cost the workers no measurable time.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import os
-import platform
-
 from geodiloco.coordinator.rounds_pool import BULK_WORKERS
-
-M_ARENA_MAX = -8  # glibc's malloc.h
+from geodiloco.mallopt import M_ARENA_MAX, set_malloc_option
 
 
 def arena_count() -> int:
@@ -29,9 +23,4 @@ def arena_count() -> int:
 def limit_arenas() -> bool:
     """Cap this process's malloc arenas at :func:`arena_count`, unless ``MALLOC_ARENA_MAX`` says
     otherwise (glibc has read it already). True when the cap was set; no-op off glibc."""
-    if "MALLOC_ARENA_MAX" in os.environ or platform.libc_ver()[0] != "glibc":
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    return bool(ctypes.CDLL(name).mallopt(M_ARENA_MAX, arena_count()))
+    return set_malloc_option(M_ARENA_MAX, arena_count(), "MALLOC_ARENA_MAX")

@@ -58,6 +58,7 @@ from geodiloco.site.layout import (
     precision_problem,
 )
 from geodiloco.site.outer_sync import OuterSync
+from geodiloco.site.pages import keep_freed_pages
 from geodiloco.workload.steps import evaluate_batches, inner_step
 
 log = logging.getLogger("geodiloco.site")
@@ -280,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto", choices=DEVICES)
     args = parser.parse_args(argv)
     die_with_parent()
+    keep_freed_pages()  # before gRPC's threads allocate: see site/pages.py
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(site=args.site, rank=rank)
     layout = ParallelConfig.parse(args.layout, int(os.environ.get("WORLD_SIZE", "1")), args.mixed_precision)
