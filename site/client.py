@@ -61,6 +61,8 @@ _RETRY_SERVICE_CONFIG = json.dumps(
         ]
     }
 )
+CONNECTION_ARG = "geodiloco.connection"  # a channel argument of ours: channels differing in it
+# get a connection each
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -160,6 +162,31 @@ class LazyChunks(Sequence[WireChunk]):
 
     def __iter__(self) -> Iterator[WireChunk]:
         return (self.chunk(i) for i in range(len(self)))
+
+
+class Strided(Sequence[T]):
+    """Every ``step``-th item of ``items`` from ``first``, each taken from ``items`` only when
+    asked for: a lazily encoded push stays lazy on each of several streams."""
+
+    def __init__(self, items: Sequence[T], first: int, step: int) -> None:
+        self._items, self._indices = items, range(first, len(items), step)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[T]: ...
+    def __getitem__(self, i: int | slice) -> T | Sequence[T]:
+        if isinstance(i, slice):
+            return [self._items[j] for j in self._indices[i]]
+        return self._items[self._indices[i]]
+
+
+def strided(items: Sequence[T], first: int, step: int) -> Sequence[T]:
+    """:class:`Strided`, or ``items`` itself when that is all of it."""
+    return items if (first, step) == (0, 1) else Strided(items, first, step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +302,9 @@ class OuterSyncClient:
     """One site's connection to the coordinator; counts the bytes it sends and receives.
 
     With ``tls`` the channel is mutual TLS; with ``site_secret`` every pushed chunk is sealed and
-    every pulled chunk opened with this site's keys for the run (known after ``join``).
+    every pulled chunk opened with this site's keys for the run (known after ``join``). Clients
+    of one process share a TCP connection to the same target unless their ``connection``
+    numbers differ (gRPC pools connections by channel arguments).
     """
 
     def __init__(
@@ -287,6 +316,7 @@ class OuterSyncClient:
         site_secret: bytes | None = None,
         max_attempts: int = 8,
         patience_s: float = PATIENCE_S,
+        connection: int = 0,
     ) -> None:
         self.site = site
         self.rank = int(os.environ.get("RANK", "0"))  # the site's rank (fault plans place by it)
@@ -296,7 +326,8 @@ class OuterSyncClient:
         self.patience_s = patience_s  # how long a lost call is retried (and at least max_attempts)
         self.keys: SiteKeys | None = None
         self._site_secret = site_secret
-        self.channel = open_channel(target, tls, options=CHANNEL_OPTIONS)
+        options = CHANNEL_OPTIONS + ([(CONNECTION_ARG, connection)] if connection else [])
+        self.channel = open_channel(target, tls, options=options)
         self.stub = outer_sync_pb2_grpc.OuterSyncStub(self.channel)
         self.bytes_sent = 0
         self.bytes_received = 0

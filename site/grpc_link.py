@@ -3,22 +3,38 @@ its status codes translated into the link's domain errors.
 
 Every push, pull and report names its fragment on the wire; Join answers every fragment's round
 and hash (a coordinator of one fragment may answer only the run's own fields: one fragment).
+
+With ``streams`` > 1 a rank moves its push and its pull on that many TCP connections at once,
+for paths where one connection cannot fill the link (a long round trip and the kernel's socket
+buffers bound what one TCP connection has in flight). Each stream is a part of its own on the
+wire: a push of ``n`` chunks goes out as :func:`push_streams` parts, chunk ``i`` on stream
+``i % streams``, and a pull asks for the sub-shares of :func:`~geodiloco.site.link.puller_of`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import grpc
 
 from geodiloco.compression import EncodedChunk
 from geodiloco.security.tls import TlsFiles
-from geodiloco.site.client import ChunkSink, Heartbeater, OuterSyncClient, PulledPart, WireChunk
-from geodiloco.site.link import Joined, Late, LinkError, PushAgain, Resync
+from geodiloco.site.client import (
+    ChunkSink,
+    Heartbeater,
+    OuterSyncClient,
+    PulledPart,
+    WireChunk,
+    strided,
+)
+from geodiloco.site.link import Joined, Late, LinkError, PushAgain, Resync, push_streams
 from geodiloco.workload.data import DataRange
 
 T = TypeVar("T")
+AGREED_PULLS = 3  # pulls on several streams repeated when a commit fell between them
 
 
 def translate(exc: grpc.RpcError) -> LinkError:
@@ -41,7 +57,7 @@ def _call(fn: Callable[[], T]) -> T:
 
 
 class GrpcLink:
-    """One site rank's link to a gRPC coordinator."""
+    """One site rank's link to a gRPC coordinator, on ``streams`` connections (see the module)."""
 
     def __init__(
         self,
@@ -50,28 +66,52 @@ class GrpcLink:
         *,
         tls: TlsFiles | None = None,
         site_secret: bytes | None = None,
+        streams: int = 1,
     ) -> None:
-        self.client = OuterSyncClient(target, site, tls=tls, site_secret=site_secret)
+        if streams < 1:
+            raise ValueError(f"streams must be at least 1, got {streams}")
+        self.clients = [
+            OuterSyncClient(target, site, tls=tls, site_secret=site_secret, connection=k)
+            for k in range(streams)
+        ]
+        self.client = self.clients[0]  # joins, beats, reports and leaves
+        self._streams = ThreadPoolExecutor(streams, "link-stream") if streams > 1 else None
         self._heartbeat: Heartbeater | None = None
 
     @property
+    def streams(self) -> int:
+        return len(self.clients)
+
+    @property
     def bytes_sent(self) -> int:
-        return self.client.bytes_sent
+        return sum(c.bytes_sent for c in self.clients)
 
     @property
     def bytes_received(self) -> int:
-        return self.client.bytes_received
+        return sum(c.bytes_received for c in self.clients)
 
     def join(self, world_size: int) -> Joined:
         info = _call(lambda: self.client.join(world_size=world_size))
+        for other in self.clients[1:]:
+            other.adopt(info.run_id, info.key_id)
         return Joined(info, info.fragment_states)
 
     def adopt(self, run_id: str, key_id: int) -> None:
-        self.client.adopt(run_id, key_id)
+        for client in self.clients:
+            client.adopt(run_id, key_id)
 
     def keep_alive(self, interval_s: float, world_size: int) -> None:
         self._heartbeat = Heartbeater(self.client, interval_s, world_size)
         self._heartbeat.start()
+
+    def _on_streams(self, calls: list[Callable[[], T]]) -> list[T]:
+        """Each call on its own stream at once; the first failure raised once all are over."""
+        if self._streams is None or len(calls) == 1:
+            return [_call(calls[0])] if len(calls) == 1 else []
+        futures = [self._streams.submit(_call, call) for call in calls]
+        for future in futures:
+            future.exception()  # wait for every stream before raising
+        return [future.result() for future in futures]
 
     def push(
         self,
@@ -86,21 +126,25 @@ class GrpcLink:
         parts: int,
         timeout_s: float,
     ) -> None:
+        """Parts ``part`` .. ``part + push_streams(streams, len(chunks)) - 1`` of ``parts``."""
         if self._heartbeat is not None and data is not None:  # the run's round: the primary fragment's
             self._heartbeat.round = round_
-        _call(
-            lambda: self.client.push(
+        n = push_streams(self.streams, len(chunks))
+
+        def one(k: int) -> Callable[[], object]:
+            return lambda: self.clients[k].push(
                 round_,
                 codec,
-                chunks,
+                strided(chunks, k, n),
                 tokens,
                 [] if data is None else data,  # a fragment that does not settle the ledger: none
                 timeout_s=timeout_s,
-                part=part,
+                part=part + k,
                 parts=parts,
                 fragment=fragment,
             )
-        )
+
+        self._on_streams([one(k) for k in range(n)])
 
     def pull(
         self,
@@ -113,17 +157,27 @@ class GrpcLink:
         timeout_s: float,
         on_chunk: ChunkSink | None = None,
     ) -> PulledPart:
-        return _call(
-            lambda: self.client.pull(
+        """Puller ``part`` of ``parts``: on each of its streams ``k``, sub-share
+        ``part * streams + k`` of ``parts * streams``, merged; pulled again where a commit fell
+        between the streams (a full state they do not agree on)."""
+        n = self.streams
+
+        def one(k: int) -> Callable[[], PulledPart]:
+            return lambda: self.clients[k].pull(
                 round_,
                 full_state=full_state,
                 timeout_s=timeout_s,
-                part=part,
-                parts=parts,
+                part=part * n + k,
+                parts=parts * n,
                 fragment=fragment,
                 on_chunk=on_chunk,
             )
-        )
+
+        for _ in range(AGREED_PULLS):
+            pulled = self._on_streams([one(k) for k in range(n)])
+            if all(p.facts == pulled[0].facts for p in pulled):
+                return merged(pulled)
+        raise LinkError(f"the state kept changing while {n} streams pulled it")
 
     def report(
         self,
@@ -151,4 +205,15 @@ class GrpcLink:
     def close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.stop()
-        self.client.close()
+        if self._streams is not None:
+            self._streams.shutdown()
+        for client in self.clients:
+            client.close()
+
+
+def merged(pulled: list[PulledPart]) -> PulledPart:
+    """One puller's share from its streams' sub-shares (which agree on the stream's facts)."""
+    if len(pulled) == 1:
+        return pulled[0]
+    chunks = {seq: chunk for part in pulled for seq, chunk in part.chunks.items()}
+    return dataclasses.replace(pulled[0], chunks=chunks)

@@ -60,8 +60,27 @@ class Joined:
     fragments: tuple[FragmentState, ...]
 
 
+def push_streams(streams: int, chunks: int) -> int:
+    """How many parts a rank's push of ``chunks`` chunks goes out as on a link of ``streams``
+    streams: one per stream, each with at least one chunk."""
+    return max(1, min(streams, chunks))
+
+
+def puller_of(seq: int, pullers: int, streams: int) -> int:
+    """Which of ``pullers`` ranks pulls chunk ``seq`` when each pulls on ``streams`` streams:
+    stream ``k`` of rank ``r`` asks for the chunks with ``seq % (pullers * streams) == r *
+    streams + k``."""
+    return seq % (pullers * streams) // streams
+
+
 class Link(Protocol):
     """One site rank's connection to the run's coordinator, whatever carries it."""
+
+    @property
+    def streams(self) -> int:
+        """Connections a push or a pull of this rank is spread over (see :func:`push_streams`
+        and :func:`puller_of`)."""
+        ...
 
     @property
     def bytes_sent(self) -> int:

@@ -102,6 +102,8 @@ class LocalCoordinator:
 class LocalLink:
     """One site's link to a :class:`LocalCoordinator`; counts the payload bytes it moves."""
 
+    streams = 1  # in process: nothing to spread over connections
+
     def __init__(self, coordinator: LocalCoordinator, site: str) -> None:
         self.coordinator = coordinator
         self.c = coordinator.controller

@@ -49,7 +49,17 @@ from geodiloco.site.client import LazyChunks, PulledPart, WireChunk
 from geodiloco.site.fragments import FragmentPlan, ParameterSubset, Schedule
 from geodiloco.site.group import SiteGroup
 from geodiloco.site.grpc_link import GrpcLink
-from geodiloco.site.link import FragmentState, Joined, JoinInfo, Link, LinkError, PushAgain, Resync
+from geodiloco.site.link import (
+    FragmentState,
+    Joined,
+    JoinInfo,
+    Link,
+    LinkError,
+    PushAgain,
+    Resync,
+    puller_of,
+    push_streams,
+)
 from geodiloco.site.pull_apply import ApplyAsPulled, TornSnapshot
 from geodiloco.site.shards import ShardMap, subview
 from geodiloco.workload.data import DataRange
@@ -160,7 +170,10 @@ class FragmentSync:
         self.state_hash = state.state_hash  # as joined; checked in attach
         self.settles_data = index == owner.config.outer.fragments - 1  # merged at the round's end
         self.feedback = ErrorFeedback(shards.owned_numel, owner.config.compression.feedback_decay)
-        owners = owner.group.gather(shards.owned_numel > 0)
+        # a rank's push goes out as one part per stream of its link (none where it owns nothing)
+        chunks = len(list(shards.wire_segments(owner.config.compression.chunk_elements)))
+        mine = push_streams(owner.link.streams, chunks) if shards.owned_numel > 0 else 0
+        owners = owner.group.gather(mine)
         self.part, self.parts = sum(owners[: owner.group.rank]), sum(owners)
         self.tokens = 0  # trained since this fragment's last push
         self.in_flight: InFlight | None = None
@@ -506,7 +519,7 @@ class FragmentSync:
         snapshot = self.snapshot
         written = 0
         for seq in range(pulled.total_chunks):
-            src = seq % self.group.world
+            src = puller_of(seq, self.group.world, self.link.streams)
             chunk = self.group.share_chunk(pulled.chunks.get(seq) if self.group.rank == src else None, src)
             if not self.shards.holds(chunk.start, chunk.numel):
                 continue
@@ -571,15 +584,19 @@ class OuterSync:
         tls: TlsFiles | None = None,
         site_secret: bytes | None = None,
         data_parallel_size: int | None = None,
+        streams: int = 1,
     ) -> OuterSync:
         """Join the run over gRPC (rank 0) and share what the coordinator said with the site's ranks.
 
         Call it on every rank. ``tls`` (mutual TLS) and ``site_secret`` (payload sealing) are what
         a coordinator started without ``--insecure`` requires. ``data_parallel_size`` is how many
         different batches the site trains on per step (ranks / tensor-parallel degree; default:
-        every rank), which sizes its share of the data ledger.
+        every rank), which sizes its share of the data ledger. ``streams``: TCP connections each
+        rank's push and pull are spread over, the same on every rank (see
+        :mod:`~geodiloco.site.grpc_link`); more than one where one cannot fill the WAN path.
         """
-        return cls.over(GrpcLink(target, site, tls=tls, site_secret=site_secret), data_parallel_size)
+        link = GrpcLink(target, site, tls=tls, site_secret=site_secret, streams=streams)
+        return cls.over(link, data_parallel_size)
 
     @classmethod
     def over(cls, link: Link, data_parallel_size: int | None = None) -> OuterSync:

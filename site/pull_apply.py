@@ -8,11 +8,13 @@ adding one twice would corrupt θ. So a chunk is applied once per stream (its fa
 number, across the retries of one pull and the pulls of one round (a failed exchange pulls the
 same committed update again; committed updates are durable, so a restarted coordinator serves
 the same bytes). A full state replaces every element, so it may follow a partly applied update;
-an update after a partly applied other stream cannot be made right and is refused.
+an update after a partly applied other stream cannot be made right and is refused. A link of
+several streams calls the sink from each stream's thread: one chunk is applied at a time.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -35,14 +37,19 @@ class ApplyAsPulled:
         self._facts: StreamFacts | None = None
         self._codec: Pipeline | None = None
         self._done: dict[int, tuple[int, int, int]] = {}  # seq -> start, numel, elements written
+        self._lock = threading.Lock()
 
     @property
     def touched(self) -> bool:
         """Whether some chunk has changed the snapshot."""
         return self.written > 0
 
-    @torch.no_grad()
     def __call__(self, seq: int, chunk: EncodedChunk, facts: StreamFacts) -> None:
+        with self._lock:
+            self._apply(seq, chunk, facts)
+
+    @torch.no_grad()
+    def _apply(self, seq: int, chunk: EncodedChunk, facts: StreamFacts) -> None:
         if facts != self._facts:
             if self.touched and not facts.is_full_state:
                 raise TornSnapshot(

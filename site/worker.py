@@ -73,6 +73,7 @@ class SiteOptions:
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0  # rounds; 0: only on SIGTERM (when checkpoint_dir is set)
     device: str = "auto"  # auto, cpu or cuda (LOCAL_RANK's GPU)
+    streams: int = 1  # TCP connections per rank (site/grpc_link.py)
 
 
 def on_device(batch: Batch, device: torch.device) -> Batch:
@@ -172,7 +173,12 @@ def train(
     mesh = build_mesh(layout, device.type)
     try:
         sync = OuterSync.connect(
-            coordinator, site, tls=tls, site_secret=site_secret, data_parallel_size=layout.data_parallel
+            coordinator,
+            site,
+            tls=tls,
+            site_secret=site_secret,
+            data_parallel_size=layout.data_parallel,
+            streams=options.streams,
         )
     except Exception as exc:
         refusal = join_refusal(rank, exc)
@@ -181,7 +187,8 @@ def train(
         raise
     cfg = sync.config
     if isinstance(sync.link, GrpcLink):  # every rank retries a lost coordinator alike
-        sync.link.client.patience_s = cfg.round_timeout_s
+        for client in sync.link.clients:
+            client.patience_s = cfg.round_timeout_s
     logs.bind(run=sync.info.run_id, round=lambda: sync.round)  # ops: run/round on every log line
     telemetry = SiteTelemetry.start(  # ops: metrics and progress (rank 0)
         site, rank, cfg.rounds * cfg.inner.steps_per_round, lambda: (sync.bytes_sent, sync.bytes_received)
@@ -279,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-dir", type=Path)
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--device", default="auto", choices=DEVICES)
+    parser.add_argument("--streams", type=int, default=1)
     args = parser.parse_args(argv)
     die_with_parent()
     keep_freed_pages()  # before gRPC's threads allocate: see site/pages.py
@@ -287,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     layout = ParallelConfig.parse(args.layout, int(os.environ.get("WORLD_SIZE", "1")), args.mixed_precision)
     tls = TlsFiles(*args.tls) if args.tls else None
     secret = load_secret(args.secret) if args.secret else None  # every rank pushes its own part
-    options = SiteOptions(layout, args.checkpoint_dir, args.checkpoint_every, args.device)
+    options = SiteOptions(layout, args.checkpoint_dir, args.checkpoint_every, args.device, args.streams)
     try:
         train(args.coordinator, args.site, tls, secret, options)
     except ConfigError as exc:  # a builder that cannot be imported or does not fit: one line

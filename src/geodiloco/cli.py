@@ -214,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="checkpoint every N rounds (default: only on SIGTERM)",
     )
+    run.add_argument(
+        "--streams",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="TCP connections each rank's push and pull are spread over (default 1); more where "
+        "one connection cannot fill a long WAN path",
+    )
     _add_tls_args(run, "site")
     run.add_argument("--secret", type=Path, help="this site's secret file (site-NAME.secret) for sealing")
     run.add_argument(
@@ -425,6 +433,7 @@ def _site_run(args: argparse.Namespace) -> int:
         except DeviceError as exc:
             raise UsageError(f"--{exc}") from None
     extra = ["--layout", args.layout, "--mixed-precision", args.mixed_precision, "--device", args.device]
+    extra += ["--streams", str(args.streams)]
     if args.checkpoint_every and args.checkpoint_dir is None:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
     if args.checkpoint_dir is not None:

@@ -9,6 +9,9 @@ its round and a CRC of its elements, so a chunk decoded anywhere else fails the 
 The q8 run trains its FSDP2 site in bf16 (FSDP2's mixed precision policy) next to fp32 sites:
 the parameters the outer sync hashes stay fp32, so they agree bit for bit too. The 4-rank
 layouts in bf16 are in test_layouts_bf16.py (a file of its own, so that two workers share them).
+
+Two sites spread each rank's push and pull over several TCP connections (``--streams``): their
+ranks push a part per stream and share the chunks their streams pulled by the same rule.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ MESHES = {
     },
 }
 
+STREAMS = {"site-tp": "3", "site-fsdp": "2"}  # connections per rank; the others keep one
+
 
 @pytest.mark.parametrize("codec", list(MESHES))
 def test_sites_with_different_meshes_agree_every_round(tmp_path: Path, codec: str) -> None:
@@ -46,7 +51,10 @@ def test_sites_with_different_meshes_agree_every_round(tmp_path: Path, codec: st
     )
     with SitesRun(cfg, tmp_path) as run:
         for name, (layout, precision) in sites.items():
-            run.start(name, "--nproc", "2", "--layout", layout, "--mixed-precision", precision)
+            streams = STREAMS.get(name, "1")
+            run.start(
+                name, "--nproc", "2", "--layout", layout, "--mixed-precision", precision, "--streams", streams
+            )
         run.wait()
         status = run.status()
         assert status.finished and [h.round for h in status.history] == [0, 1, 2]

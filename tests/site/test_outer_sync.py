@@ -128,3 +128,43 @@ def test_site_started_before_the_coordinator_waits_for_it() -> None:
     with CoordinatorThread(tiny_config(), port=port):
         thread.join(30)
     assert joined == {"round": 0}
+
+
+def test_a_site_on_several_streams_applies_the_same_updates() -> None:
+    """site-a pushes and pulls on 3 TCP connections (through a proxy that counts them), site-b
+    on one: every round commits both contributions and both sites hold the global hash."""
+    cfg = tiny_config(rounds=3, compression__chunk_elements=500)
+    with CoordinatorThread(cfg) as coordinator, ProxyThread(coordinator.target) as proxy:
+        results: dict[str, list[str]] = {}
+        connections: list[int] = []
+
+        def site_a() -> None:
+            sync = OuterSync.connect(proxy.address, "site-a", streams=3)
+            connections.append(proxy.proxy.open_connections)
+            model = sync.attach(build_model(cfg.model, cfg.seed))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr)
+            hashes = []
+            while not sync.finished:
+                x = torch.randint(0, 256, (4, cfg.model.seq_len))
+                model(x, x).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if sync.step(tokens=x.numel()):
+                    assert sync.last_result is not None
+                    hashes.append(sync.last_result.state_hash)
+                    connections.append(proxy.proxy.open_connections)
+            sync.close()
+            results["site-a"] = hashes
+
+        threads = [
+            threading.Thread(target=site_a),
+            threading.Thread(target=train_site, args=(coordinator.target, "site-b", results, {})),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        expected = [coordinator.controller.hashes[r] for r in (1, 2, 3)]
+        assert results["site-a"] == results["site-b"] == expected
+        assert all(len(h.contributors) == 2 for h in coordinator.controller.history)
+        assert max(connections) == 3  # pushes and pulls went out on three connections
