@@ -1,5 +1,7 @@
-/* Fused int8 blockwise absmax quantisation and its inverse, the nibble split of int8 codes, and
- * the parameter checksum's mixing (geodiloco.params.Checksum).
+/* Fused int8 blockwise absmax quantisation and its inverse, the nibble split of int8 codes, the
+ * parameter checksum's mixing (geodiloco.params.Checksum), and the coordinator's per-span round
+ * arithmetic (int8 codes folded into the round's sum, the Nesterov step with the downlink's error
+ * feedback, and θ += the decoded update with its checksum and norm), each one pass over memory.
  *
  * Eager torch needs five passes over the input to quantise (amax, amin, scale, round, cast);
  * here each block of `block` floats is read twice while it sits in L1 (absmax, then codes), so
@@ -14,6 +16,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -147,6 +150,14 @@ static void join_nibbles(const uint8_t *hi, const uint8_t *lo, Py_ssize_t n, uin
  * two sums, of the low and of the high 32 bits. Unsigned 64-bit arithmetic wraps exactly as
  * numpy's uint64 does in the Python path, so both give the same sums; the caller keeps a run
  * under 2^32 elements so that neither sum can wrap. */
+static inline uint64_t mix(uint64_t index, uint32_t bits)
+{
+    uint64_t x = index * 0x9E3779B97F4A7C15ull + bits;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
 WIDEST_SIMD
 static void checksum_mix(const float *values, Py_ssize_t n, uint64_t first, uint64_t *low, uint64_t *high)
 {
@@ -154,15 +165,115 @@ static void checksum_mix(const float *values, Py_ssize_t n, uint64_t first, uint
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t bits;
         memcpy(&bits, &values[i], sizeof bits);
-        uint64_t x = (first + (uint64_t)i) * 0x9E3779B97F4A7C15ull + bits;
-        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-        x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-        x ^= x >> 31;
+        uint64_t x = mix(first + (uint64_t)i, bits);
         lo += x & 0xFFFFFFFFull;
         hi += x >> 32;
     }
     *low = lo;
     *high = hi;
+}
+
+/* total = w · (code · step), or total += w · (code · step) when `accumulate`: the q8 values of
+ * `numel` codes (one step per `block` of them) scattered into rows of `row_len` elements placed
+ * `stride` apart in `out`. The arithmetic is torch's for the same two steps (dequantize, then
+ * mul or add with alpha, whose vector path is one fused multiply-add), so both paths agree
+ * bit for bit. 1 when every code is on the grid, 0 when one is -128 (`out` then undefined). */
+static inline int fold_row(const float *step, const int8_t *codes, Py_ssize_t k, Py_ssize_t n, Py_ssize_t block,
+                           float w, int accumulate, float *out)
+{
+    int8_t low = 0;
+    for (Py_ssize_t done = 0; done < n;) {
+        Py_ssize_t b = (k + done) / block, run = (b + 1) * block - (k + done);
+        run = run < n - done ? run : n - done;
+        const int8_t *c = codes + k + done;
+        float s = step[b], *o = out + done;
+        if (accumulate)
+            for (Py_ssize_t i = 0; i < run; i++) {
+                low = c[i] < low ? c[i] : low;
+                o[i] = fmaf((float)c[i] * s, w, o[i]);
+            }
+        else
+            for (Py_ssize_t i = 0; i < run; i++) {
+                low = c[i] < low ? c[i] : low;
+                o[i] = ((float)c[i] * s) * w;
+            }
+        done += run;
+    }
+    return low > -128;
+}
+
+WIDEST_SIMD
+static int fold_blocks(const float *step, const int8_t *codes, Py_ssize_t numel, Py_ssize_t block, Py_ssize_t row_len,
+                       Py_ssize_t stride, float w, int accumulate, float *out)
+{
+    int valid = 1;
+    for (Py_ssize_t k = 0, r = 0; k < numel; k += row_len, r++)
+        valid &= fold_row(step, codes, k, row_len, block, w, accumulate, out + r * stride);
+    return valid;
+}
+
+/* One span of the coordinator's round close with Nesterov momentum and downlink error feedback:
+ * avg = total / divisor; m = μ·m + avg; change = -lr · (avg + μ·m); send = change + decay·send
+ * (send holds the residual before, the value to encode after). The same IEEE operations as the
+ * torch path in coordinator/outer_optimizer.py (whose add with alpha is a fused multiply-add). */
+WIDEST_SIMD
+static void nesterov_send_span(const float *total, float *momentum, float *send, Py_ssize_t n, float divisor,
+                               float mu, float neg_lr, float decay)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float avg = total[i] / divisor;
+        float m = momentum[i] * mu + avg;
+        momentum[i] = m;
+        send[i] = fmaf(send[i], decay, fmaf(m, mu, avg) * neg_lr);
+    }
+}
+
+#define SQUARE_LANES 16 /* independent double accumulators: the sum vectorises, its order fixed */
+
+/* θ += decoded (and residual -= decoded, where given), and of the new θ: the checksum sums (as
+ * checksum_mix) and Σ θ² in double, in one pass. */
+static inline void add_hash_one(float *theta, const float *decoded, float *residual, Py_ssize_t i, uint64_t first,
+                                double *square, uint64_t *lo, uint64_t *hi)
+{
+    float t = theta[i] + decoded[i];
+    theta[i] = t;
+    if (residual)
+        residual[i] = residual[i] - decoded[i];
+    *square += (double)t * (double)t;
+    uint32_t bits;
+    memcpy(&bits, &t, sizeof bits);
+    uint64_t x = mix(first + (uint64_t)i, bits);
+    *lo += x & 0xFFFFFFFFull;
+    *hi += x >> 32;
+}
+
+static inline void add_hash(float *theta, const float *decoded, float *residual, Py_ssize_t n, uint64_t first,
+                            double *sumsq, uint64_t *low, uint64_t *high)
+{
+    double lanes[SQUARE_LANES] = {0};
+    uint64_t lo = 0, hi = 0;
+    Py_ssize_t full = n - n % SQUARE_LANES;
+    for (Py_ssize_t a = 0; a < full; a += SQUARE_LANES)
+        for (int j = 0; j < SQUARE_LANES; j++)
+            add_hash_one(theta, decoded, residual, a + j, first, &lanes[j], &lo, &hi);
+    for (Py_ssize_t i = full; i < n; i++)
+        add_hash_one(theta, decoded, residual, i, first, &lanes[i - full], &lo, &hi);
+    double total = 0.0;
+    for (int j = 0; j < SQUARE_LANES; j++)
+        total += lanes[j];
+    *sumsq = total;
+    *low = lo;
+    *high = hi;
+}
+
+WIDEST_SIMD
+static void add_hash_span(float *theta, const float *decoded, float *residual, Py_ssize_t n, uint64_t first,
+                          double *sumsq, uint64_t *low, uint64_t *high)
+{
+    if (residual) /* two copies of the loop, each without a branch in it */
+        add_hash(theta, decoded, residual, n, first, sumsq, low, high);
+    else
+        add_hash(theta, decoded, NULL, n, first, sumsq, low, high);
 }
 
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what)
@@ -175,11 +286,11 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *
     return 0;
 }
 
-/* The three buffers of a kernel call (bit i of `writable`: the i-th must be writable). On
+/* The first `n` buffers of a kernel call (bit i of `writable`: the i-th must be writable). On
  * failure nothing stays held and a Python error is set. */
-static int get_arguments(PyObject *const objs[3], const char *const names[3], int writable, Py_buffer views[3])
+static int get_buffers(int n, PyObject *const objs[], const char *const names[], int writable, Py_buffer views[])
 {
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < n; i++) {
         if (get_buffer(objs[i], &views[i], writable >> i & 1, names[i]) < 0) {
             while (i-- > 0)
                 PyBuffer_Release(&views[i]);
@@ -198,11 +309,22 @@ static int check_block(Py_ssize_t block)
     return 0;
 }
 
+/* The three buffers of a codec kernel call. */
+static int get_arguments(PyObject *const objs[3], const char *const names[3], int writable, Py_buffer views[3])
+{
+    return get_buffers(3, objs, names, writable, views);
+}
+
+static void release_buffers(int n, Py_buffer views[])
+{
+    for (int i = 0; i < n; i++)
+        PyBuffer_Release(&views[i]);
+}
+
 /* Release the buffers; NULL (the kernel's error, already set) when result < 0, else the bool. */
 static PyObject *finish(Py_buffer views[3], int result)
 {
-    for (int i = 0; i < 3; i++)
-        PyBuffer_Release(&views[i]);
+    release_buffers(3, views);
     return result < 0 ? NULL : PyBool_FromLong(result);
 }
 
@@ -289,8 +411,7 @@ static PyObject *sumsq_q8(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     valid = sumsq_blocks((const float *)views[0].buf, (const int8_t *)views[1].buf, numel, block, &total);
     Py_END_ALLOW_THREADS
-    for (int i = 0; i < 3; i++)
-        PyBuffer_Release(&views[i]);
+    release_buffers(3, views);
     if (!valid)
         Py_RETURN_NONE;
     return PyFloat_FromDouble(total);
@@ -368,6 +489,100 @@ static PyObject *checksum_range(PyObject *self, PyObject *args)
     return Py_BuildValue("(KK)", (unsigned long long)low, (unsigned long long)high);
 }
 
+PyDoc_STRVAR(fold_q8_doc,
+             "fold_q8(steps, codes, block, out, row_len, stride, weight, accumulate) -> bool\n\n"
+             "out = weight * dequantize_q8(...) (out += ... when accumulate), the values laid in\n"
+             "rows of row_len elements placed stride apart in the fp32 buffer out. Returns False,\n"
+             "leaving out undefined, when a code is -128.");
+
+static PyObject *fold_q8(PyObject *self, PyObject *args)
+{
+    PyObject *objs[3];
+    Py_ssize_t block, row_len, stride;
+    float weight;
+    int accumulate;
+    Py_buffer views[3]; /* steps, codes, out */
+    if (!PyArg_ParseTuple(args, "OOnOnnfp", &objs[0], &objs[1], &block, &objs[2], &row_len, &stride, &weight,
+                          &accumulate))
+        return NULL;
+    if (check_block(block) < 0 || get_arguments(objs, (const char *const[]){"steps", "codes", "out"}, 0x4, views) < 0)
+        return NULL;
+    Py_ssize_t numel = views[1].len, rows = row_len > 0 ? numel / row_len : 0;
+    if (row_len < 1 || numel % row_len || !rows || stride < row_len ||
+        views[2].len != ((rows - 1) * stride + row_len) * (Py_ssize_t)sizeof(float) ||
+        views[0].len != (numel + block - 1) / block * (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "fold_q8: buffer sizes or row layout do not match");
+        return finish(views, -1);
+    }
+    int valid;
+    Py_BEGIN_ALLOW_THREADS
+    valid = fold_blocks((const float *)views[0].buf, (const int8_t *)views[1].buf, numel, block, row_len, stride,
+                        weight, accumulate, (float *)views[2].buf);
+    Py_END_ALLOW_THREADS
+    return finish(views, valid);
+}
+
+PyDoc_STRVAR(nesterov_send_doc,
+             "nesterov_send(total, momentum, send, divisor, mu, lr, decay) -> bool\n\n"
+             "For fp32 buffers of one length: avg = total / divisor; momentum = mu * momentum + avg;\n"
+             "send = -lr * (avg + mu * momentum) + decay * send, in place.");
+
+static PyObject *nesterov_send(PyObject *self, PyObject *args)
+{
+    PyObject *objs[3];
+    float divisor, mu, lr, decay;
+    Py_buffer views[3]; /* total, momentum, send */
+    if (!PyArg_ParseTuple(args, "OOOffff", &objs[0], &objs[1], &objs[2], &divisor, &mu, &lr, &decay))
+        return NULL;
+    if (get_arguments(objs, (const char *const[]){"total", "momentum", "send"}, 0x6, views) < 0)
+        return NULL;
+    Py_ssize_t n = views[0].len / (Py_ssize_t)sizeof(float);
+    if (views[0].len % (Py_ssize_t)sizeof(float) || views[1].len != views[0].len || views[2].len != views[0].len) {
+        PyErr_SetString(PyExc_ValueError, "nesterov_send: total, momentum and send must be fp32 of one length");
+        return finish(views, -1);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    nesterov_send_span((const float *)views[0].buf, (float *)views[1].buf, (float *)views[2].buf, n, divisor, mu,
+                       -lr, decay);
+    Py_END_ALLOW_THREADS
+    return finish(views, 1);
+}
+
+PyDoc_STRVAR(add_and_hash_doc,
+             "add_and_hash(theta, decoded, residual, first) -> (sumsq, low, high)\n\n"
+             "theta += decoded, and residual -= decoded unless residual is None (fp32 buffers of\n"
+             "one length, fewer than 2^32 elements); returns the new theta's sum of squares (in\n"
+             "double) and its checksum sums as checksum_range(theta, first) would.");
+
+static PyObject *add_and_hash(PyObject *self, PyObject *args)
+{
+    PyObject *objs[3];
+    unsigned long long first;
+    Py_buffer views[3]; /* theta, decoded, residual */
+    if (!PyArg_ParseTuple(args, "OOOK", &objs[0], &objs[1], &objs[2], &first))
+        return NULL;
+    int with_residual = objs[2] != Py_None;
+    if (get_buffers(2 + with_residual, objs, (const char *const[]){"theta", "decoded", "residual"},
+                    0x1 | (with_residual << 2), views) < 0)
+        return NULL;
+    Py_ssize_t n = views[0].len / (Py_ssize_t)sizeof(float);
+    if (views[0].len % (Py_ssize_t)sizeof(float) || views[1].len != views[0].len ||
+        (with_residual && views[2].len != views[0].len) || (unsigned long long)n >= (1ull << 32)) {
+        release_buffers(2 + with_residual, views);
+        PyErr_SetString(PyExc_ValueError,
+                        "add_and_hash: theta, decoded and residual must be fp32 of one length, under 2^32");
+        return NULL;
+    }
+    double sumsq;
+    uint64_t low, high;
+    Py_BEGIN_ALLOW_THREADS
+    add_hash_span((float *)views[0].buf, (const float *)views[1].buf, with_residual ? (float *)views[2].buf : NULL,
+                  n, (uint64_t)first, &sumsq, &low, &high);
+    Py_END_ALLOW_THREADS
+    release_buffers(2 + with_residual, views);
+    return Py_BuildValue("(dKK)", sumsq, (unsigned long long)low, (unsigned long long)high);
+}
+
 static PyMethodDef methods[] = {
     {"quantize_q8", quantize_q8, METH_VARARGS, quantize_q8_doc},
     {"dequantize_q8", dequantize_q8, METH_VARARGS, dequantize_q8_doc},
@@ -375,11 +590,14 @@ static PyMethodDef methods[] = {
     {"split_nibbles", split_nibbles_py, METH_VARARGS, split_nibbles_doc},
     {"join_nibbles", join_nibbles_py, METH_VARARGS, join_nibbles_doc},
     {"checksum_range", checksum_range, METH_VARARGS, checksum_range_doc},
+    {"fold_q8", fold_q8, METH_VARARGS, fold_q8_doc},
+    {"nesterov_send", nesterov_send, METH_VARARGS, nesterov_send_doc},
+    {"add_and_hash", add_and_hash, METH_VARARGS, add_and_hash_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_kernels", "Fused codec kernels (see _kernels.c).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_kernels", "Fused kernels (see _kernels.c).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__kernels(void)

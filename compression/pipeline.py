@@ -277,6 +277,24 @@ class Pipeline:
             raise CodecError(f"{self.spec}: {raw.numel()} raw bytes, expected {self._body_size(numel, kept)}")
         return self._values(raw, numel, kept)
 
+    def fold_raw(
+        self, raw: torch.Tensor, place: Place, total: torch.Tensor, weight: float, first: bool
+    ) -> None:
+        """``total``'s elements at ``place`` = weight · the values of ``raw`` (from :meth:`unpack`),
+        or += when not ``first``. Blockwise q8 alone folds straight from its codes in one pass (no
+        fp32 copy of the values); other codecs decode first. The same values either way."""
+        seg = place.segment
+        if self.sparsifier is None and isinstance(self.values, BlockwiseAbsmax):
+            out = total[seg.start : seg.end]
+            if self.values.fold(raw, seg.numel, out, seg.row_len, seg.stride, weight, not first):
+                return
+        values = self.decode_raw(raw, seg.numel, place).view(seg.rows, seg.row_len)
+        view = seg.view_of(total)
+        if first:
+            torch.mul(values, weight, out=view)
+        else:
+            view.add_(values, alpha=weight)
+
     def raw_sumsq(self, raw: torch.Tensor, numel: int) -> float | None:
         """Σ x² of :meth:`decode_raw`'s values computed from the raw bytes without decoding them,
         where the codec has that path (blockwise q8, no sparsifier); None where it has not."""

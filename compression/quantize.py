@@ -181,6 +181,32 @@ class BlockwiseAbsmax:
             raise CodecError(f"{self.spec}: code -128 is outside the grid")
         return total
 
+    def fold(
+        self,
+        raw: torch.Tensor,
+        numel: int,
+        out: torch.Tensor,
+        row_len: int,
+        stride: int,
+        weight: float,
+        add: bool,
+    ) -> bool:
+        """``out`` = weight · :meth:`decode`'s values (+= when ``add``), from the codes in one C
+        pass, the values laid in rows of ``row_len`` placed ``stride`` apart in the contiguous
+        host fp32 ``out``: the values torch's mul (or add with alpha) of the decoded tensor
+        gives. False, with nothing written, where the kernel does not apply (not q8, not built).
+        Refuses what :meth:`decode` refuses."""
+        host = out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
+        if not (self.fused and numel and host):
+            return False
+        step = self._steps(raw, numel)
+        codes = raw[4 * step.numel() :].view(torch.int8)
+        if not _kernels.fold_q8(
+            step.numpy(), codes.numpy(), self.block, out.numpy(), row_len, stride, weight, add
+        ):
+            raise CodecError(f"{self.spec}: code -128 is outside the grid")
+        return True
+
     def decode(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
         _, offset, top = _GRIDS[self.bits]
         step = self._steps(raw, numel)

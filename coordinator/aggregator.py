@@ -4,7 +4,7 @@ A contribution is folded into the round's sum only once it is whole and checked,
 push never touches the mean. The sum is one fp32 vector reused from round to round: the
 coordinator's memory does not grow with the number of sites. A whole contribution covers every
 element, so the round's first one writes the sum rather than adding to it: the vector is never
-zeroed, and the round close turns it into the mean span by span (:meth:`WeightedMean.mean_span`).
+zeroed, and the round close divides it by :attr:`WeightedMean.divisor` span by span.
 """
 
 from __future__ import annotations
@@ -96,9 +96,14 @@ class WeightedMean:
 
     def mean_span(self, start: int, numel: int) -> torch.Tensor:
         """The average over elements ``[start, start + numel)``, computed in place in the sum."""
+        return self.total[start : start + numel].div_(self.divisor)
+
+    @property
+    def divisor(self) -> int:
+        """What the sum is divided by to give the mean: the total weight (ValueError when none)."""
         if not self.weight:
             raise ValueError("no contributions to average")
-        return self.total[start : start + numel].div_(self.weight)
+        return self.weight
 
     def reset(self) -> None:
         """Empty for the next round, keeping the buffer (its next first fold overwrites it)."""

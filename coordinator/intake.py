@@ -204,12 +204,7 @@ class Staged:
             raw = torch.empty(c.length, dtype=torch.uint8)
             if os.preadv(fd, [raw.numpy().data], c.offset) != c.length:
                 raise OSError(f"the staging file ends inside a chunk at {c.offset}")
-            values = self.pipeline.decode_raw(raw, c.segment.numel, Place(self.round, c.segment))
-            values, view = values.view(c.segment.rows, c.segment.row_len), c.segment.view_of(total)
-            if first:
-                torch.mul(values, weight, out=view)
-            else:
-                view.add_(values, alpha=weight)
+            self.pipeline.fold_raw(raw, Place(self.round, c.segment), total, weight, first)
 
         with self.lock:
             for _ in pool.map(one, self.chunks):

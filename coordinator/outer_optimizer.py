@@ -14,6 +14,11 @@ import torch
 
 from geodiloco.config import OuterConfig
 
+try:  # the fused C kernels, built at install time; same values as the torch path
+    from geodiloco.compression import _kernels
+except ImportError:  # pragma: no cover - only where no C compiler was available at install
+    _kernels = None  # type: ignore[assignment]
+
 SpanStep = Callable[[torch.Tensor, int], torch.Tensor]
 
 
@@ -26,6 +31,22 @@ class OuterOptimizer(ABC):
         span's storage holds it afterwards, no model-sized temporaries). Spans are disjoint and
         may be stepped in any order and in parallel, each while it is in cache; the round
         counts once, when this is called."""
+
+    def send_step(
+        self, total: torch.Tensor, divisor: float, residual: torch.Tensor, decay: float
+    ) -> SpanStep:
+        """This round's value to send, for one span of the round's weighted sum ``total`` (and the
+        span's first element): step(span / divisor) + decay · the residual's span, written into
+        the residual's span and returned. The span of ``total`` may be overwritten. The mean, the
+        step and the error feedback in one call, so that an optimizer may fuse them into one
+        pass over memory (the round counts once, when this is called)."""
+        step = self.round_step(total)
+
+        def send(span: torch.Tensor, start: int) -> torch.Tensor:
+            out = residual[start : start + span.numel()]
+            return torch.add(step(span.div_(divisor), start), out, alpha=decay, out=out)
+
+        return send
 
     def step(self, avg_delta: torch.Tensor) -> torch.Tensor:
         """The proposed change for a whole averaged pseudo-gradient, in place."""
@@ -59,12 +80,17 @@ class NesterovOuter(OuterOptimizer):
             return self.momentum
         return self.momentum * min(1.0, self.steps / self.warmup_rounds)
 
-    def round_step(self, like: torch.Tensor) -> SpanStep:
-        mu, lr = self.current_momentum(), self.lr
+    def _begin_round(self, like: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The momentum buffer (made like ``like`` at the first round) and this round's μ."""
+        mu = self.current_momentum()
         if self.buffer is None:
             self.buffer = torch.zeros_like(like)
-        buffer = self.buffer
         self.steps += 1
+        return self.buffer, mu
+
+    def round_step(self, like: torch.Tensor) -> SpanStep:
+        buffer, mu = self._begin_round(like)
+        lr = self.lr
 
         def step(avg: torch.Tensor, start: int) -> torch.Tensor:
             momentum = buffer[start : start + avg.numel()]
@@ -72,6 +98,29 @@ class NesterovOuter(OuterOptimizer):
             return avg.add_(momentum, alpha=mu).mul_(-lr)
 
         return step
+
+    def send_step(
+        self, total: torch.Tensor, divisor: float, residual: torch.Tensor, decay: float
+    ) -> SpanStep:
+        """On the host, one C pass per span: mean, momentum, step and error feedback (five torch
+        passes otherwise); the same fp32 operations, so the same values."""
+        host = (total, residual) if self.buffer is None else (total, residual, self.buffer)
+        if _kernels is None or not all(
+            t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in host
+        ):
+            return super().send_step(total, divisor, residual, decay)
+        buffer, mu = self._begin_round(total)
+        lr = self.lr
+
+        def send(span: torch.Tensor, start: int) -> torch.Tensor:
+            end = start + span.numel()
+            out = residual[start:end]
+            _kernels.nesterov_send(
+                span.numpy(), buffer[start:end].numpy(), out.numpy(), divisor, mu, lr, decay
+            )
+            return out
+
+        return send
 
     def state_dict(self) -> dict[str, object]:
         return {"buffer": self.buffer, "steps": self.steps}

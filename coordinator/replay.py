@@ -14,11 +14,10 @@ from pathlib import Path
 import torch
 
 from geodiloco.compression import EncodedChunk, Place, parse_pipeline
-from geodiloco.coordinator.aggregator import sum_of_squares
 from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError, StateError, load_state
 from geodiloco.coordinator.rounds_pool import WORKERS
 from geodiloco.coordinator.updatelog import LoggedUpdate, logged_rounds, read_update
-from geodiloco.params import Checksum, state_hash
+from geodiloco.params import Checksum, add_and_hash, state_hash
 from geodiloco.security.sealing import Sealer
 
 
@@ -42,10 +41,7 @@ def apply_update(theta: torch.Tensor, update: LoggedUpdate) -> float:
     def one(chunk: EncodedChunk) -> tuple[Checksum, float]:
         piece = theta[chunk.start : chunk.start + chunk.numel]
         place = Place.span(update.round, chunk.start, chunk.numel)
-        piece.add_(codec.decode(chunk.payload, chunk.numel, place))
-        checksum = Checksum()
-        checksum.add_range(chunk.start, piece)
-        return checksum, sum_of_squares(piece)
+        return add_and_hash(piece, codec.decode(chunk.payload, chunk.numel, place), chunk.start)
 
     checksum, sumsq = Checksum(), 0.0
     for part, squares in WORKERS.map(one, update.chunks):  # disjoint chunks: in parallel

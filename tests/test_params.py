@@ -28,3 +28,35 @@ def test_the_checksum_kernel_gives_the_numpy_paths_sums(monkeypatch: pytest.Monk
     slow = Checksum()
     slow.add_range(12_345, x)
     assert (fast.low, fast.high, fast.count) == (slow.low, slow.high, slow.count)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_and_hash_kernel_equals_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, with_residual: bool
+) -> None:
+    """θ += change (residual -= change) with the new θ's checksum and Σθ²: one C pass on the
+    host, the same θ, residual and checksum as the torch ops and Checksum.add_range."""
+    assert params._kernels is not None
+    theta, change, residual = torch.randn(100_003), torch.randn(100_003) * 1e-3, torch.randn(100_003)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, Checksum, float]:
+        t, r = theta.clone(), residual.clone()
+        checksum, sumsq = params.add_and_hash(t, change, 777, residual=r if with_residual else None)
+        return t, r, checksum, sumsq
+
+    fast = run()
+    monkeypatch.setattr(params, "_kernels", None)
+    slow = run()
+    assert torch.equal(fast[0], theta + change) and torch.equal(fast[0], slow[0])
+    assert torch.equal(fast[1], residual - change if with_residual else residual)
+    assert torch.equal(fast[1], slow[1])
+    reference = Checksum()
+    reference.add_range(777, theta + change)
+    for checksum in (fast[2], slow[2]):
+        assert (checksum.low, checksum.high, checksum.count) == (
+            reference.low,
+            reference.high,
+            reference.count,
+        )
+    exact = float((theta + change).double().square().sum())
+    assert fast[3] == pytest.approx(exact, rel=1e-12) and slow[3] == pytest.approx(exact, rel=1e-12)

@@ -156,6 +156,33 @@ class Checksum:
         return hashlib.sha256(f"{self.low}:{self.high}:{self.count}".encode()).hexdigest()
 
 
+def add_and_hash(
+    theta: torch.Tensor, change: torch.Tensor, start: int, residual: torch.Tensor | None = None
+) -> tuple[Checksum, float]:
+    """θ += ``change`` in place (and ``residual`` −= ``change``, where given): the new θ's checksum
+    as a run from canonical index ``start``, and Σ θ² (in double).
+
+    On the host the C kernel does all of it in one pass over the span (the hash's multiplies
+    then hide the memory traffic of the adds); the torch path gives the same θ and checksum, and
+    the same Σ θ² up to the order of the additions."""
+    tensors = [t for t in (theta, change, residual) if t is not None]
+    if (
+        _kernels is not None
+        and theta.numel() < KERNEL_HASH_BLOCK
+        and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    ):
+        sumsq, low, high = _kernels.add_and_hash(
+            theta.numpy(), change.numpy(), None if residual is None else residual.numpy(), start
+        )
+        return Checksum(low, high, theta.numel()), sumsq
+    theta.add_(change.view_as(theta))
+    if residual is not None:
+        residual.sub_(change.view_as(residual))
+    checksum = Checksum()
+    checksum.add_range(start, theta)
+    return checksum, float(torch.linalg.vector_norm(theta, dtype=torch.float64)) ** 2
+
+
 def state_hash(flat: torch.Tensor) -> str:
     """Digest of a whole canonical vector: equal digests mean bit-identical replicas."""
     checksum = Checksum()

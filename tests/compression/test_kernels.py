@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from geodiloco.compression import CodecError, quantize
+from geodiloco.compression import CodecError, Place, parse_pipeline, quantize
 from geodiloco.compression.quantize import BlockwiseAbsmax
+from geodiloco.segment import Segment
 from tests.compression.codec_strategies import tensors
 
 
@@ -115,3 +116,42 @@ def test_the_torch_path_still_works_alone(torch_path: None) -> None:
     assert not codec.fused
     y = codec.decode(codec.encode(x), 1000)
     assert float((x - y).abs().max()) <= float(x.abs().max()) / 127 / 2 * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize(
+    ("rows", "row_len", "stride", "block"), [(1, 1000, 1000, 128), (6, 10, 25, 7), (3, 64, 64, 64)]
+)
+def test_folding_codes_equals_decoding_then_adding(
+    first: bool, rows: int, row_len: int, stride: int, block: int
+) -> None:
+    """The coordinator folds a q8 chunk into the round's sum straight from its codes; the sum is
+    what decoding and torch's mul (or add with alpha) would leave, bit for bit, rows and blocks
+    in any alignment."""
+    numel = rows * row_len
+    pipeline = parse_pipeline(f"q8:{block}")
+    raw = pipeline.unpack(pipeline.encode(torch.randn(numel)), numel)
+    place = Place(0, Segment(3, rows, row_len, stride))
+    total = torch.randn(3 + (rows - 1) * stride + row_len + 5)
+    expected = total.clone()
+    view = place.segment.view_of(expected)
+    values = pipeline.decode_raw(raw, numel).view(rows, row_len)
+    if first:
+        torch.mul(values, 1234.0, out=view)
+    else:
+        view.add_(values, alpha=1234.0)
+    pipeline.fold_raw(raw, place, total, 1234.0, first)
+    assert torch.equal(total, expected)
+
+
+def test_folding_refuses_a_code_off_the_grid_and_bad_layouts() -> None:
+    pipeline = parse_pipeline("q8:128")
+    raw = pipeline.unpack(pipeline.encode(torch.randn(300)), 300)
+    raw[4 * 3 + 299] = 0x80  # -128 as int8
+    with pytest.raises(CodecError, match="-128"):
+        pipeline.fold_raw(raw, Place.span(0, 0, 300), torch.zeros(300), 1.0, True)
+    steps, codes = raw[:12].view(torch.float32).numpy(), raw[12:].view(torch.int8).numpy()
+    with pytest.raises(ValueError, match="row layout"):
+        quantize._kernels.fold_q8(steps, codes, 128, torch.zeros(299).numpy(), 300, 300, 1.0, True)
+    with pytest.raises(ValueError, match="row layout"):
+        quantize._kernels.fold_q8(steps, codes, 128, torch.zeros(300).numpy(), 7, 7, 1.0, True)

@@ -90,3 +90,34 @@ def test_span_steps_equal_the_whole_step_and_keep_state_where_the_mean_lives(dev
         assert torch.equal(got, expected)
     assert spans.buffer is not None and spans.buffer.dtype == torch.float64
     assert spans.buffer.device.type == device and spans.steps == whole.steps == 3
+
+
+@pytest.mark.parametrize("optimizer", ["nesterov", "fedavg"])
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+def test_the_fused_send_step_equals_the_torch_ops(
+    monkeypatch: pytest.MonkeyPatch, optimizer: str, decay: float
+) -> None:
+    """send = step(total / divisor) + decay · residual: Nesterov's C pass gives the same fp32
+    values and momentum as the torch ops, round after round, spans in any order."""
+    from geodiloco.coordinator import outer_optimizer
+
+    def rounds() -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        torch.manual_seed(3)
+        opt = build_outer_optimizer(OuterConfig(optimizer=optimizer, lr=0.7, momentum=0.9, warmup_rounds=2))
+        residual, sent = torch.randn(1_001) * 0.01, []
+        for _ in range(3):
+            total = torch.randn(1_001) * 5
+            send = opt.send_step(total, 7, residual, decay)
+            for start, end in ((500, 1_001), (0, 500)):
+                assert send(total[start:end], start).data_ptr() == residual[start:end].data_ptr()
+            sent.append(residual.clone())
+            residual.mul_(0.3)  # what the encoding dropped, for the next round
+        return sent, getattr(opt, "buffer", None)
+
+    fused = rounds()
+    monkeypatch.setattr(outer_optimizer, "_kernels", None)
+    reference = rounds()
+    assert all(torch.equal(a, b) for a, b in zip(fused[0], reference[0], strict=True))
+    assert (fused[1] is None) == (reference[1] is None)
+    if fused[1] is not None and reference[1] is not None:
+        assert torch.equal(fused[1], reference[1])
