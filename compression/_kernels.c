@@ -247,33 +247,77 @@ static inline void add_hash_one(float *theta, const float *decoded, float *resid
     *hi += x >> 32;
 }
 
-static inline void add_hash(float *theta, const float *decoded, float *residual, Py_ssize_t n, uint64_t first,
-                            double *sumsq, uint64_t *low, uint64_t *high)
+/* add_hash_one over n elements, into running sums: element i goes to lane i % SQUARE_LANES, so a
+ * span cut into runs whose lengths are multiples of SQUARE_LANES sums exactly as the whole. */
+static inline void add_hash_run(float *theta, const float *decoded, float *residual, Py_ssize_t n, uint64_t first,
+                                double lanes[SQUARE_LANES], uint64_t *low, uint64_t *high)
 {
-    double lanes[SQUARE_LANES] = {0};
-    uint64_t lo = 0, hi = 0;
+    uint64_t lo = *low, hi = *high;
     Py_ssize_t full = n - n % SQUARE_LANES;
     for (Py_ssize_t a = 0; a < full; a += SQUARE_LANES)
         for (int j = 0; j < SQUARE_LANES; j++)
             add_hash_one(theta, decoded, residual, a + j, first, &lanes[j], &lo, &hi);
     for (Py_ssize_t i = full; i < n; i++)
         add_hash_one(theta, decoded, residual, i, first, &lanes[i - full], &lo, &hi);
+    *low = lo;
+    *high = hi;
+}
+
+static inline double lane_total(const double lanes[SQUARE_LANES])
+{
     double total = 0.0;
     for (int j = 0; j < SQUARE_LANES; j++)
         total += lanes[j];
-    *sumsq = total;
-    *low = lo;
-    *high = hi;
+    return total;
 }
 
 WIDEST_SIMD
 static void add_hash_span(float *theta, const float *decoded, float *residual, Py_ssize_t n, uint64_t first,
                           double *sumsq, uint64_t *low, uint64_t *high)
 {
+    double lanes[SQUARE_LANES] = {0};
+    *low = *high = 0;
     if (residual) /* two copies of the loop, each without a branch in it */
-        add_hash(theta, decoded, residual, n, first, sumsq, low, high);
+        add_hash_run(theta, decoded, residual, n, first, lanes, low, high);
     else
-        add_hash(theta, decoded, NULL, n, first, sumsq, low, high);
+        add_hash_run(theta, decoded, NULL, n, first, lanes, low, high);
+    *sumsq = lane_total(lanes);
+}
+
+#define APPLY_TILE 4096 /* decoded values staged in L1 between the codes and add_hash_run */
+
+/* add_hash_span with decoded = the q8 values of (step, codes): each tile of codes is decoded as
+ * dequantize_blocks does into a buffer that stays in cache, then added, so the update's fp32
+ * values never cross memory. The same θ, residual, sums and Σ θ² as dequantize_q8 followed by
+ * add_and_hash. 1 when every code is on the grid, 0 (θ partly updated) when one is -128. */
+WIDEST_SIMD
+static int apply_q8_span(float *theta, const float *step, const int8_t *codes, Py_ssize_t block, float *residual,
+                         Py_ssize_t n, uint64_t first, double *sumsq, uint64_t *low, uint64_t *high)
+{
+    float tile[APPLY_TILE];
+    double lanes[SQUARE_LANES] = {0};
+    int8_t least = 0;
+    *low = *high = 0;
+    for (Py_ssize_t at = 0; at < n; at += APPLY_TILE) {
+        Py_ssize_t m = n - at < APPLY_TILE ? n - at : APPLY_TILE;
+        for (Py_ssize_t i = at; i < at + m;) { /* the tile's pieces of blocks */
+            Py_ssize_t b = i / block, end = (b + 1) * block < at + m ? (b + 1) * block : at + m;
+            float s = step[b];
+            for (Py_ssize_t k = i; k < end; k++) {
+                least = codes[k] < least ? codes[k] : least;
+                tile[k - at] = (float)codes[k] * s;
+            }
+            i = end;
+        }
+        if (least == -128)
+            return 0;
+        if (residual)
+            add_hash_run(theta + at, tile, residual + at, m, first + (uint64_t)at, lanes, low, high);
+        else
+            add_hash_run(theta + at, tile, NULL, m, first + (uint64_t)at, lanes, low, high);
+    }
+    *sumsq = lane_total(lanes);
+    return 1;
 }
 
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what)
@@ -583,6 +627,49 @@ static PyObject *add_and_hash(PyObject *self, PyObject *args)
     return Py_BuildValue("(dKK)", sumsq, (unsigned long long)low, (unsigned long long)high);
 }
 
+PyDoc_STRVAR(apply_q8_doc,
+             "apply_q8(theta, steps, codes, block, residual, first) -> (sumsq, low, high) | None\n\n"
+             "add_and_hash(theta, dequantize_q8(steps, codes, block), residual, first) in one pass,\n"
+             "the decoded values never written out: the same theta, residual and results. None, with\n"
+             "theta and residual partly updated, when a code is -128.");
+
+static PyObject *apply_q8(PyObject *self, PyObject *args)
+{
+    PyObject *objs[4];
+    Py_ssize_t block;
+    unsigned long long first;
+    Py_buffer views[4]; /* theta, steps, codes, residual */
+    if (!PyArg_ParseTuple(args, "OOOnOK", &objs[0], &objs[1], &objs[2], &block, &objs[3], &first))
+        return NULL;
+    if (check_block(block) < 0)
+        return NULL;
+    int with_residual = objs[3] != Py_None;
+    if (get_buffers(3 + with_residual, objs, (const char *const[]){"theta", "steps", "codes", "residual"},
+                    0x1 | (with_residual << 3), views) < 0)
+        return NULL;
+    Py_ssize_t n = views[0].len / (Py_ssize_t)sizeof(float);
+    if (views[0].len % (Py_ssize_t)sizeof(float) || views[2].len != n ||
+        views[1].len != (n + block - 1) / block * (Py_ssize_t)sizeof(float) ||
+        (with_residual && views[3].len != views[0].len) || (unsigned long long)n >= (1ull << 32)) {
+        release_buffers(3 + with_residual, views);
+        PyErr_SetString(PyExc_ValueError,
+                        "apply_q8: theta and residual must be fp32 of one length n under 2^32, codes n bytes "
+                        "and steps one fp32 per block");
+        return NULL;
+    }
+    double sumsq = 0.0;
+    uint64_t low = 0, high = 0;
+    int valid;
+    Py_BEGIN_ALLOW_THREADS
+    valid = apply_q8_span((float *)views[0].buf, (const float *)views[1].buf, (const int8_t *)views[2].buf, block,
+                          with_residual ? (float *)views[3].buf : NULL, n, (uint64_t)first, &sumsq, &low, &high);
+    Py_END_ALLOW_THREADS
+    release_buffers(3 + with_residual, views);
+    if (!valid)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(dKK)", sumsq, (unsigned long long)low, (unsigned long long)high);
+}
+
 static PyMethodDef methods[] = {
     {"quantize_q8", quantize_q8, METH_VARARGS, quantize_q8_doc},
     {"dequantize_q8", dequantize_q8, METH_VARARGS, dequantize_q8_doc},
@@ -593,6 +680,7 @@ static PyMethodDef methods[] = {
     {"fold_q8", fold_q8, METH_VARARGS, fold_q8_doc},
     {"nesterov_send", nesterov_send, METH_VARARGS, nesterov_send_doc},
     {"add_and_hash", add_and_hash, METH_VARARGS, add_and_hash_doc},
+    {"apply_q8", apply_q8, METH_VARARGS, apply_q8_doc},
     {NULL, NULL, 0, NULL},
 };
 

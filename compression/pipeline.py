@@ -295,6 +295,16 @@ class Pipeline:
         else:
             view.add_(values, alpha=weight)
 
+    def apply_raw(
+        self, raw: torch.Tensor, theta: torch.Tensor, first: int, residual: torch.Tensor | None = None
+    ) -> tuple[float, int, int] | None:
+        """θ += the values of ``raw`` (from :meth:`unpack` or :meth:`roundtrip_raw`, ``theta``'s
+        size) and ``residual`` −= them, with the new θ's Σ θ² and checksum sums, in one pass from
+        the codes: blockwise q8 alone (None elsewhere, nothing written; decode instead)."""
+        if self.sparsifier is None and isinstance(self.values, BlockwiseAbsmax):
+            return self.values.add_and_hash(raw, theta, first, residual)
+        return None
+
     def raw_sumsq(self, raw: torch.Tensor, numel: int) -> float | None:
         """Σ x² of :meth:`decode_raw`'s values computed from the raw bytes without decoding them,
         where the codec has that path (blockwise q8, no sparsifier); None where it has not."""
@@ -356,6 +366,13 @@ class Pipeline:
         hi = self.entropy.decode(body[head + half :], half)
         nibbles.join(hi, body[head : head + half], raw[head:])
         return raw
+
+    def roundtrip_raw(self, x: torch.Tensor, place: Place | None = None) -> tuple[bytes, torch.Tensor]:
+        """The frame of the host fp32 ``x`` and its raw bytes, from which :meth:`decode_raw` (or
+        :meth:`apply_raw`) gives exactly what every receiver decodes. The raw bytes may share
+        ``x``'s memory (fp32 codes)."""
+        raw, prefix = self._raw_of(x, place)
+        return self._seal(raw, x.numel(), prefix), raw
 
     def roundtrip(
         self, x: torch.Tensor, place: Place | None = None, *, on_device: bool | None = None

@@ -207,6 +207,31 @@ class BlockwiseAbsmax:
             raise CodecError(f"{self.spec}: code -128 is outside the grid")
         return True
 
+    def add_and_hash(
+        self,
+        raw: torch.Tensor,
+        theta: torch.Tensor,
+        first: int,
+        residual: torch.Tensor | None,
+    ) -> tuple[float, int, int] | None:
+        """θ += :meth:`decode`'s values (and ``residual`` −= them, where given) from the codes in
+        one C pass, returning the new θ's Σ θ² and checksum sums as
+        :func:`geodiloco.params.add_and_hash` computes them: the same bits as decoding first.
+        None, with nothing written, where the kernel does not apply (not q8, not built, not
+        contiguous host fp32). Refuses what :meth:`decode` refuses."""
+        tensors = [theta] if residual is None else [theta, residual]
+        host = all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+        numel = theta.numel()
+        if not (self.fused and numel and host):
+            return None
+        step = self._steps(raw, numel)
+        codes = raw[4 * step.numel() :].view(torch.int8)
+        rest = None if residual is None else residual.numpy()
+        done = _kernels.apply_q8(theta.numpy(), step.numpy(), codes.numpy(), self.block, rest, first)
+        if done is None:
+            raise CodecError(f"{self.spec}: code -128 is outside the grid")
+        return done
+
     def decode(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
         _, offset, top = _GRIDS[self.bits]
         step = self._steps(raw, numel)

@@ -17,7 +17,7 @@ from geodiloco.compression import EncodedChunk, Place, parse_pipeline
 from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError, StateError, load_state
 from geodiloco.coordinator.rounds_pool import WORKERS
 from geodiloco.coordinator.updatelog import LoggedUpdate, logged_rounds, read_update
-from geodiloco.params import Checksum, add_and_hash, state_hash
+from geodiloco.params import Checksum, add_encoded_and_hash, state_hash
 from geodiloco.security.sealing import Sealer
 
 
@@ -41,7 +41,7 @@ def apply_update(theta: torch.Tensor, update: LoggedUpdate) -> float:
     def one(chunk: EncodedChunk) -> tuple[Checksum, float]:
         piece = theta[chunk.start : chunk.start + chunk.numel]
         place = Place.span(update.round, chunk.start, chunk.numel)
-        return add_and_hash(piece, codec.decode(chunk.payload, chunk.numel, place), chunk.start)
+        return add_encoded_and_hash(codec, codec.unpack(chunk.payload, chunk.numel, place), place, piece)
 
     checksum, sumsq = Checksum(), 0.0
     for part, squares in WORKERS.map(one, update.chunks):  # disjoint chunks: in parallel

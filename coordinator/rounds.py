@@ -46,7 +46,7 @@ from geodiloco.coordinator.rounds_pool import WORKERS
 from geodiloco.coordinator.rundir import ROUND_LOG as ROUND_LOG
 from geodiloco.coordinator.rundir import check_run_config
 from geodiloco.coordinator.updatelog import LoggedUpdate, logged_rounds, prune, read_update, write_update
-from geodiloco.params import Checksum, add_and_hash, state_hash
+from geodiloco.params import Checksum, add_encoded_and_hash, state_hash
 from geodiloco.security.sealing import Sealer
 from geodiloco.workload.data import DataRange
 
@@ -569,19 +569,21 @@ class RoundController:
     def _advance(self, round_: int) -> CommittedUpdate:
         """θ_round → θ_{round+1} (worker thread), chunk by chunk and in place, chunks in parallel,
         every step on a chunk while it is in cache: average, outer step and downlink residual in
-        one pass (:meth:`~OuterOptimizer.send_step`), encode, then apply the decoded change, keep
-        what the encoding dropped, and hash and measure the new θ in another
-        (:func:`~geodiloco.params.add_and_hash`). A round costs a few passes over the model."""
+        one pass (:meth:`~OuterOptimizer.send_step`), encode, then apply the change as every site
+        decodes it (from the codes, q8 values never written out), keep what the encoding dropped,
+        and hash and measure the new θ in another (:func:`~geodiloco.params.add_encoded_and_hash`).
+        A round costs a few passes over the model."""
         feedback, total = self.downlink_feedback, self.mean.total
         send_step = self.optimizer.send_step(total, self.mean.divisor, feedback.residual, feedback.decay)
 
         def one(span: tuple[int, int]) -> tuple[EncodedChunk, Checksum, float]:
             start, numel = span
             send = send_step(total[start : start + numel], start)  # in the residual's span
-            payload, decoded = self.downlink.roundtrip(send, Place.span(round_, start, numel))
+            place = Place.span(round_, start, numel)
+            payload, raw = self.downlink.roundtrip_raw(send, place)
             theta = self.theta[start : start + numel]
-            checksum, sumsq = add_and_hash(
-                theta, decoded, start, residual=send
+            checksum, sumsq = add_encoded_and_hash(
+                self.downlink, raw, place, theta, residual=send
             )  # send keeps what was dropped
             return EncodedChunk(start, numel, payload), checksum, sumsq
 

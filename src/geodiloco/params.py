@@ -7,10 +7,14 @@ so the layout does not depend on how a site wraps or shards its model.
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from geodiloco.compression import Pipeline, Place
 
 try:
     from geodiloco.compression import _kernels
@@ -181,6 +185,27 @@ def add_and_hash(
     checksum = Checksum()
     checksum.add_range(start, theta)
     return checksum, float(torch.linalg.vector_norm(theta, dtype=torch.float64)) ** 2
+
+
+def add_encoded_and_hash(
+    codec: Pipeline,
+    raw: torch.Tensor,
+    place: Place,
+    theta: torch.Tensor,
+    residual: torch.Tensor | None = None,
+) -> tuple[Checksum, float]:
+    """:func:`add_and_hash` of the values of ``codec``'s raw bytes ``raw`` at ``place`` (θ's span,
+    from :meth:`~Pipeline.unpack` or :meth:`~Pipeline.roundtrip_raw`): blockwise q8 adds straight
+    from its codes, the fp32 values never written out; other codecs decode first. Same results."""
+    start = place.segment.start
+    fused = codec.apply_raw(raw, theta, start, residual)
+    if fused is not None:
+        sumsq, low, high = fused
+        return Checksum(low, high, theta.numel()), sumsq
+    values = codec.decode_raw(raw, theta.numel(), place)
+    if residual is not None and values.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
+        values = values.clone()  # fp32 codes are the residual's own bytes, which the add changes
+    return add_and_hash(theta, values, start, residual)
 
 
 def state_hash(flat: torch.Tensor) -> str:

@@ -155,3 +155,42 @@ def test_folding_refuses_a_code_off_the_grid_and_bad_layouts() -> None:
         quantize._kernels.fold_q8(steps, codes, 128, torch.zeros(299).numpy(), 300, 300, 1.0, True)
     with pytest.raises(ValueError, match="row layout"):
         quantize._kernels.fold_q8(steps, codes, 128, torch.zeros(300).numpy(), 7, 7, 1.0, True)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize(
+    ("numel", "block"), [(1, 128), (4097, 128), (10_000, 100), (9_000, 5000), (70_001, 64)]
+)
+def test_applying_codes_equals_decoding_then_add_and_hash(
+    with_residual: bool, numel: int, block: int
+) -> None:
+    """The round close and replay add a q8 update to θ straight from its codes: θ, the residual,
+    the checksum sums and Σ θ² are those of decoding and then add_and_hash, bit for bit, for
+    blocks that do and do not divide the kernel's tiles."""
+    pipeline = parse_pipeline(f"q8:{block}")
+    raw = pipeline.unpack(pipeline.encode(torch.randn(numel) * 0.3), numel)
+    theta, residual = torch.randn(numel), torch.randn(numel)
+    t, r = theta.clone(), residual.clone()
+    expected = quantize._kernels.add_and_hash(
+        t.numpy(), pipeline.decode_raw(raw, numel).numpy(), r.numpy() if with_residual else None, 77
+    )
+    t2, r2 = theta.clone(), residual.clone()
+    assert pipeline.apply_raw(raw, t2, 77, r2 if with_residual else None) == expected
+    assert torch.equal(t2, t) and torch.equal(r2, r)
+
+
+def test_applying_refuses_a_code_off_the_grid_and_mismatched_sizes() -> None:
+    pipeline = parse_pipeline("q8:128")
+    raw = pipeline.unpack(pipeline.encode(torch.randn(300)), 300)
+    bad = raw.clone()
+    bad[4 * 3 + 299] = 0x80  # -128 as int8
+    with pytest.raises(CodecError, match="-128"):
+        pipeline.apply_raw(bad, torch.zeros(300), 0)
+    with pytest.raises(CodecError, match="bytes, expected"):  # θ's size is not the chunk's
+        pipeline.apply_raw(raw, torch.zeros(299), 0)
+    steps, codes = raw[:12].view(torch.float32).numpy(), raw[12:].view(torch.int8).numpy()
+    with pytest.raises(ValueError, match="apply_q8"):
+        quantize._kernels.apply_q8(torch.zeros(300).numpy(), steps, codes, 128, torch.zeros(3).numpy(), 0)
+    with pytest.raises(ValueError, match="apply_q8"):
+        quantize._kernels.apply_q8(torch.zeros(300).numpy(), steps[:2], codes, 128, None, 0)
+    assert parse_pipeline("q4").apply_raw(raw, torch.zeros(300), 0) is None  # decodes instead
