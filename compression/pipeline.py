@@ -368,11 +368,12 @@ class Pipeline:
         return raw
 
     def roundtrip_raw(self, x: torch.Tensor, place: Place | None = None) -> tuple[bytes, torch.Tensor]:
-        """The frame of the host fp32 ``x`` and its raw bytes, from which :meth:`decode_raw` (or
-        :meth:`apply_raw`) gives exactly what every receiver decodes. The raw bytes may share
-        ``x``'s memory (fp32 codes)."""
-        raw, prefix = self._raw_of(x, place)
-        return self._seal(raw, x.numel(), prefix), raw
+        """The frame of ``x`` and its raw bytes (on the host), from which :meth:`decode_raw` (or
+        :meth:`apply_raw`) gives exactly what every receiver decodes. For a host fp32 ``x`` the raw
+        bytes may share its memory (fp32 codes)."""
+        host = x.detach().reshape(-1).to("cpu", torch.float32)
+        raw, prefix = self._raw_of(host, place)
+        return self._seal(raw, host.numel(), prefix), raw
 
     def roundtrip(
         self, x: torch.Tensor, place: Place | None = None, *, on_device: bool | None = None

@@ -45,6 +45,11 @@ def _scratch_fp32(numel: int, device: torch.device) -> torch.Tensor:
     return buf[:numel]
 
 
+def _host_fp32(*tensors: torch.Tensor) -> bool:
+    """Whether the C kernels can take these tensors as they are: contiguous host fp32."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
 @dataclass(frozen=True, slots=True)
 class BlockwiseAbsmax:
     """``bits`` per element plus 32 bits per block of ``block`` elements.
@@ -166,16 +171,20 @@ class BlockwiseAbsmax:
             raise CodecError(f"{self.spec}: a block scale (step) is negative, too large or not finite")
         return step
 
+    def _q8_parts(self, raw: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The checked block steps of q8 ``raw`` and its int8 codes, for the C kernels."""
+        step = self._steps(raw, numel)
+        return step, raw[4 * step.numel() :].view(torch.int8)
+
     def sumsq(self, raw: torch.Tensor, numel: int) -> float | None:
         """Σ x² of the values :meth:`decode` gives, from the codes and steps without decoding
         them (the q8 kernel, in double); None for a codec without that path. Refuses what
         :meth:`decode` refuses."""
         if not self.fused:
             return None
-        step = self._steps(raw, numel)
+        step, codes = self._q8_parts(raw, numel)
         if not numel:
             return 0.0
-        codes = raw[4 * step.numel() :].view(torch.int8)
         total = _kernels.sumsq_q8(step.numpy(), codes.numpy(), self.block)
         if total is None:
             raise CodecError(f"{self.spec}: code -128 is outside the grid")
@@ -196,11 +205,9 @@ class BlockwiseAbsmax:
         host fp32 ``out``: the values torch's mul (or add with alpha) of the decoded tensor
         gives. False, with nothing written, where the kernel does not apply (not q8, not built).
         Refuses what :meth:`decode` refuses."""
-        host = out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
-        if not (self.fused and numel and host):
+        if not (self.fused and numel and _host_fp32(out)):
             return False
-        step = self._steps(raw, numel)
-        codes = raw[4 * step.numel() :].view(torch.int8)
+        step, codes = self._q8_parts(raw, numel)
         if not _kernels.fold_q8(
             step.numpy(), codes.numpy(), self.block, out.numpy(), row_len, stride, weight, add
         ):
@@ -219,13 +226,11 @@ class BlockwiseAbsmax:
         :func:`geodiloco.params.add_and_hash` computes them: the same bits as decoding first.
         None, with nothing written, where the kernel does not apply (not q8, not built, not
         contiguous host fp32). Refuses what :meth:`decode` refuses."""
-        tensors = [theta] if residual is None else [theta, residual]
-        host = all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
         numel = theta.numel()
-        if not (self.fused and numel and host):
+        tensors = [theta] if residual is None else [theta, residual]
+        if not (self.fused and numel and _host_fp32(*tensors)):
             return None
-        step = self._steps(raw, numel)
-        codes = raw[4 * step.numel() :].view(torch.int8)
+        step, codes = self._q8_parts(raw, numel)
         rest = None if residual is None else residual.numpy()
         done = _kernels.apply_q8(theta.numpy(), step.numpy(), codes.numpy(), self.block, rest, first)
         if done is None:

@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from geodiloco import params
+from geodiloco.compression import Place, parse_pipeline
 from geodiloco.params import Checksum, canonical_name, canonical_parameters
 
 
@@ -62,22 +63,31 @@ def test_add_and_hash_kernel_equals_the_torch_path(
     assert fast[3] == pytest.approx(exact, rel=1e-12) and slow[3] == pytest.approx(exact, rel=1e-12)
 
 
-@pytest.mark.parametrize("spec", ["q8:64|zstd:1", "fp32", "q4", "topk:0.1|q8"])
-def test_adding_encoded_values_equals_decoding_then_adding(spec: str) -> None:
-    """add_encoded_and_hash, fused (q8) or decoding first (others), leaves the θ, residual and
-    checksum of decoding and add_and_hash, also where fp32 codes share the residual's memory."""
-    from geodiloco.compression import Place, parse_pipeline
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
 
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spec", ["q8:64|zstd:1", "fp32", "q4", "topk:0.1|q8"])
+def test_adding_encoded_values_equals_decoding_then_adding(spec: str, device: str) -> None:
+    """add_encoded_and_hash, fused (q8 on the host) or decoding first (other codecs, θ on an
+    accelerator), leaves the θ, residual and checksum of decoding and add_and_hash, also where
+    fp32 codes share the residual's memory."""
     codec = parse_pipeline(spec)
     n = 5_000
-    theta, residual = torch.randn(n), torch.randn(n) * 1e-2
+    theta, residual = torch.randn(n, device=device), torch.randn(n, device=device) * 1e-2
     place = Place.span(3, 200, n)
     t, r = theta.clone(), residual.clone()
     payload, raw = codec.roundtrip_raw(r, place)
-    decoded = codec.decode(payload, n, place)
+    decoded = codec.decode(payload, n, place).to(device)
     checksum, sumsq = params.add_encoded_and_hash(codec, raw, place, t, residual=r)
     assert torch.equal(t, theta + decoded) and torch.equal(r, residual - decoded)
     reference = Checksum()
-    reference.add_range(200, theta + decoded)
+    reference.add_range(200, (theta + decoded).cpu())
     assert (checksum.low, checksum.high, checksum.count) == (reference.low, reference.high, reference.count)
     assert sumsq == pytest.approx(float((theta + decoded).double().pow(2).sum()), rel=1e-9)

@@ -196,7 +196,8 @@ def add_encoded_and_hash(
 ) -> tuple[Checksum, float]:
     """:func:`add_and_hash` of the values of ``codec``'s raw bytes ``raw`` at ``place`` (θ's span,
     from :meth:`~Pipeline.unpack` or :meth:`~Pipeline.roundtrip_raw`): blockwise q8 adds straight
-    from its codes, the fp32 values never written out; other codecs decode first. Same results."""
+    from its codes into a host θ, the fp32 values never written out; other codecs, and θ on an
+    accelerator, decode first (then copy the values to θ's device). Same results."""
     start = place.segment.start
     fused = codec.apply_raw(raw, theta, start, residual)
     if fused is not None:
@@ -205,7 +206,7 @@ def add_encoded_and_hash(
     values = codec.decode_raw(raw, theta.numel(), place)
     if residual is not None and values.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
         values = values.clone()  # fp32 codes are the residual's own bytes, which the add changes
-    return add_and_hash(theta, values, start, residual)
+    return add_and_hash(theta, values.to(theta.device), start, residual)
 
 
 def state_hash(flat: torch.Tensor) -> str:
