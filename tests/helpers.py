@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
 import torch
 from torch import nn
 
@@ -32,6 +33,12 @@ from geodiloco.processes import spawn_geodiloco as spawn_geodiloco
 from geodiloco.security.policy import ServerSecurity
 from geodiloco.status import fetch_status, request_shutdown
 from geodiloco.workload.data import DataRange
+
+CUDA = pytest.param(  # a device parameter: runs where CUDA is, marked gpu, skipped elsewhere
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+)
+DEVICES = ["cpu", CUDA]
 
 T = TypeVar("T")
 

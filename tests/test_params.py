@@ -5,6 +5,7 @@ from torch import nn
 from geodiloco import params
 from geodiloco.compression import Place, parse_pipeline
 from geodiloco.params import Checksum, canonical_name, canonical_parameters
+from helpers import DEVICES
 
 
 def test_wrapper_prefixes_are_removed() -> None:
@@ -61,15 +62,6 @@ def test_add_and_hash_kernel_equals_the_torch_path(
         )
     exact = float((theta + change).double().square().sum())
     assert fast[3] == pytest.approx(exact, rel=1e-12) and slow[3] == pytest.approx(exact, rel=1e-12)
-
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
-    ),
-]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -16,6 +16,7 @@ from geodiloco.compression.cyclic import Cyclic
 from geodiloco.compression.levels import LevelQuantizer, gaussian_two_bit_levels
 from geodiloco.compression.pipeline import host_copy, kept_on_device
 from geodiloco.compression.quantize import BlockwiseAbsmax
+from helpers import CUDA
 
 DEVICE_SPECS = [
     "q8",
@@ -148,12 +149,6 @@ def test_empty_chunks_take_the_device_path() -> None:
         codec, place = parse_pipeline(spec), Place.span(0, 0, 0)
         data, back = codec.roundtrip(torch.zeros(0), place, on_device=True)
         assert data == codec.encode(torch.zeros(0), place) and back.numel() == 0
-
-
-CUDA = pytest.param(
-    "cuda",
-    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
-)
 
 
 @pytest.mark.parametrize("device", [CUDA])

@@ -4,6 +4,7 @@ import torch
 from geodiloco.config import OuterConfig
 from geodiloco.coordinator.aggregator import WeightedMean
 from geodiloco.coordinator.outer_optimizer import FedAvgOuter, NesterovOuter, build_outer_optimizer
+from helpers import DEVICES
 
 
 def test_nesterov_matches_hand_computation() -> None:
@@ -65,15 +66,6 @@ def test_steps_reuse_the_averaged_delta_in_place() -> None:
 def test_build_from_config() -> None:
     assert isinstance(build_outer_optimizer(OuterConfig(optimizer="fedavg", lr=1.0)), FedAvgOuter)
     assert isinstance(build_outer_optimizer(OuterConfig()), NesterovOuter)
-
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
-    ),
-]
 
 
 @pytest.mark.parametrize("device", DEVICES)

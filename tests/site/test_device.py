@@ -16,12 +16,9 @@ from geodiloco.params import Checksum, _mix, _mix_on_device, flatten_parameters,
 from geodiloco.site.layout import Autocast, LayoutError, ParallelConfig, precision_problem
 from geodiloco.site.shards import ShardMap
 from geodiloco.workload import GPTConfig, build_model
+from helpers import CUDA
 
 MODEL = GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8)
-CUDA = pytest.param(
-    "cuda",
-    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
-)
 
 
 def _values(n: int = 20_000) -> torch.Tensor:

@@ -10,12 +10,9 @@ from geodiloco.compression import EncodedChunk, Place, encode_chunks, parse_pipe
 from geodiloco.site.client import PulledPart, StreamFacts
 from geodiloco.site.pull_apply import ApplyAsPulled, TornSnapshot
 from geodiloco.site.shards import ShardMap
+from helpers import CUDA
 
 CODEC = "q8|zstd:1"
-CUDA = pytest.param(
-    "cuda",
-    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
-)
 
 
 def model_on(device: str) -> nn.Module:
