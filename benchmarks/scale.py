@@ -33,6 +33,7 @@ Per case, over the measured rounds (the first is left out):
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import itertools
 import json
@@ -319,13 +320,19 @@ def peak_rss(pid: int) -> int:
 
 
 class Probe(threading.Thread):
-    """Heartbeat every 50 ms as site-0; records each round trip."""
+    """Heartbeat every 50 ms as site-0; records each round trip the coordinator answered.
+
+    A refusal (site-0 not joined yet, or gone after the run ended) is answered on the
+    same event loop, so it measures a stall as well as a success does; only calls that
+    never reached the server are left out.
+    """
 
     def __init__(self, target: str, run_id: str) -> None:
         super().__init__(daemon=True)
         self.client = OuterSyncClient(target, "site-0")
         self.client.run_id = run_id
         self.samples: list[tuple[float, float]] = []
+        self.unanswered: collections.Counter[str] = collections.Counter()
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -333,8 +340,10 @@ class Probe(threading.Thread):
             began = time.time()
             try:
                 self.client.heartbeat(0)
-            except grpc.RpcError:
-                continue  # not joined yet
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    self.unanswered[e.code().name] += 1
+                    continue
             self.samples.append((began, time.time() - began))
 
 
@@ -380,6 +389,8 @@ def run_case(params: int, sites: int, rounds: int, workdir: Path) -> dict[str, A
     periods = [b - a for a, b in itertools.pairwise(ends)]
     measured = (min(site[1]["t1"] for site in per_site) if rounds > 1 else 0.0, ends[-1])
     stalls = [d for t, d in probe.samples if measured[0] <= t <= measured[1]] or [d for _, d in probe.samples]
+    if not stalls:
+        raise RuntimeError(f"the stall probe got no answer from the coordinator: {dict(probe.unanswered)}")
     log = [json.loads(x) for x in (run_dir / "rounds.jsonl").read_text().splitlines()]
     update_files = sorted((run_dir / "updates").glob("*.update"))
     line_bytes = (run_dir / "rounds.jsonl").stat().st_size / len(log)
