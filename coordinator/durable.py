@@ -2,20 +2,22 @@
 
 A file is written to a temporary name, fsynced, renamed over the previous one and the directory
 fsynced, so after a crash at any moment it holds either the previous or the new content, whole.
-Content is streamed in segments of at most ``SEGMENT_BYTES``: writing or reading a snapshot of a
-model of any size costs one segment of memory beyond the tensors themselves.
+Content is streamed (:class:`DurableWriter`): a writer need not know the payload's length or
+checksum up front, so a round's update is logged while it is still being computed, and writing
+or reading a snapshot of a model of any size costs one segment of memory beyond the tensors.
 
 A state's payload is a small skeleton (plain containers, read with
 ``torch.load(weights_only=True)``: never arbitrary pickled objects) followed by the raw bytes of
 its tensors, read into freshly allocated tensors. Files are written and read past the page cache
-(:mod:`.unbuffered`). Files written by earlier versions (one ``torch.save`` payload) are still
-read.
+(:mod:`.unbuffered`). Files written by earlier versions (checksum or segment count in a header,
+or one ``torch.save`` payload) are still read.
 
 When the run seals its payloads (it has a run secret), these files are sealed too: AES-256-GCM
-under a key derived from the run secret for this run, every segment's index, the segment count,
-the total length and the file's label (what it is, e.g. which round) bound as associated data, so
-a segment cannot be altered, dropped, reordered or moved into another file. θ and the outer
-momentum are then as confidential at rest as on the wire.
+under a key derived from the run secret for this run, in segments of ``SEGMENT_BYTES``, each
+with its index, whether it is the last, and the file's label (what it is, e.g. which round)
+bound as associated data, so a segment cannot be altered, dropped, reordered, cut off the end
+or moved into another file. θ and the outer momentum are then as confidential at rest as on
+the wire.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -39,14 +42,20 @@ from geodiloco.security.sealing import NONCE_BYTES, TAG_BYTES, Sealer, SealError
 
 # An unsealed file is checksummed against torn writes and corruption, not against an attacker
 # (who could rewrite any checksum; sealing is the defence): XXH3-128 at memory speed, where
-# SHA-256 (the first version's, still read) took seconds of a restart at 100M parameters.
-MAGIC = b"GDLSTAT2"
+# SHA-256 (the first version's, still read) took seconds of a restart at 100M parameters. The
+# checksum and length follow the payload, so it can be written as it is produced.
+MAGIC = b"GDLSTAT3"
+_TRAILER = struct.Struct("<16sQ")  # XXH3-128 of payload, payload length
+MAGIC_HEADED = b"GDLSTAT2"  # earlier: the checksum in a header
 MAGIC_SHA256 = b"GDLSTAT1"
-SEALED_MAGIC = b"GDLSTAS1"
 _HEADER = struct.Struct("<8s16sQ")  # magic, XXH3-128 of payload, payload length
 _HEADER_SHA256 = struct.Struct("<8s32sQ")  # magic, SHA-256 of payload, payload length
-_SEALED_HEADER = struct.Struct("<8sIQQ")  # magic, key id, payload length, segment length
-_SEGMENT_AAD = struct.Struct("<QQQQ")  # segment index, count and length; payload length
+SEALED_MAGIC = b"GDLSTAS2"
+_SEALED_HEADER = struct.Struct("<8sIQ")  # magic, key id, segment length
+_SEGMENT_AAD = struct.Struct("<QQ?")  # segment index and length; whether it is the last
+SEALED_MAGIC_COUNTED = b"GDLSTAS1"  # earlier: the segment count and length in the header
+_SEALED_HEADER_COUNTED = struct.Struct("<8sIQQ")  # magic, key id, payload length, segment length
+_SEGMENT_AAD_COUNTED = struct.Struct("<QQQQ")  # segment index, count and length; payload length
 SEGMENT_BYTES = 64 << 20  # well under AES-GCM's (and the library's) per-call limit
 RAW_MAGIC = b"GDLRAW01"  # a payload of skeleton + raw tensors (earlier: one torch.save)
 STATE_LABEL = "coordinator-state"  # the at-rest key's label and the segments' associated data
@@ -93,42 +102,85 @@ def _read_state(path: Path, reader: _Reader | _FileReader) -> dict[str, Any]:
 
 def write_stream(path: Path, pieces: Iterable[memoryview], sealer: Sealer | None, label: str) -> int:
     """Write the payload ``pieces`` to ``path`` atomically (see the module docstring); returns the
-    bytes written. Past the page cache (:mod:`.unbuffered`): a snapshot or a logged update is
-    written once and read only by a restart, and through the page cache its fresh pages cost the
-    coordinator more CPU than the write itself (a 1.2 GB snapshot took 3.5-4 s at 100M
-    parameters)."""
-    pieces = list(pieces)
-    length = sum(p.nbytes for p in pieces)
-    tmp = path.with_name(path.name + ".tmp")
-    blocks = (
-        _unsealed_blocks(pieces, length) if sealer is None else _sealed_blocks(pieces, length, sealer, label)
-    )
-    with UnbufferedFile(tmp) as out:
-        for block in blocks:
-            out.write(block)
-        written = out.close()
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    return written
+    bytes written."""
+    with DurableWriter(path, sealer, label) as out:
+        for piece in pieces:
+            out.write(piece)
+        return out.commit()
 
 
-def _unsealed_blocks(pieces: list[memoryview], length: int) -> Iterator[bytes | memoryview]:
-    digest = xxhash.xxh3_128()  # a pass of its own, at memory speed: the header comes first
-    for piece in pieces:
-        digest.update(piece)
-    yield _HEADER.pack(MAGIC, digest.digest(), length)
-    yield from pieces  # no segments to cut (they are the sealed format's): no copies
+class DurableWriter:
+    """A new content for ``path``, written as it comes (:meth:`write`) to a temporary file and
+    made durable and visible by :meth:`commit`; leaving the ``with`` block without committing
+    removes the temporary file and keeps the previous content.
 
+    Past the page cache (:mod:`.unbuffered`): a snapshot or a logged update is written once and
+    read only by a restart, and through the page cache its fresh pages cost the coordinator more
+    CPU than the write itself (a 1.2 GB snapshot took 3.5-4 s at 100M parameters)."""
 
-def _sealed_blocks(
-    pieces: list[memoryview], length: int, sealer: Sealer, label: str
-) -> Iterator[bytes | memoryview]:
-    yield _SEALED_HEADER.pack(SEALED_MAGIC, sealer.key_id, length, SEGMENT_BYTES)
-    count = _count(length, SEGMENT_BYTES)
-    for i, segment in enumerate(_segments(pieces, SEGMENT_BYTES)):
-        nonce, sealed = sealer.seal(bytes(segment), _segment_aad(label, i, count, SEGMENT_BYTES, length))
-        yield nonce
-        yield sealed
+    def __init__(self, path: Path, sealer: Sealer | None, label: str) -> None:
+        self._path, self._tmp = path, path.with_name(path.name + ".tmp")
+        self._sealer, self._label = sealer, label
+        self._file: UnbufferedFile | None = UnbufferedFile(self._tmp)
+        self._digest = xxhash.xxh3_128()
+        self._pending = bytearray()  # sealed: the segment not known yet to be the last
+        self._index = 0
+        self.length = 0
+        if sealer is None:
+            self._file.write(MAGIC)
+        else:
+            self._file.write(_SEALED_HEADER.pack(SEALED_MAGIC, sealer.key_id, SEGMENT_BYTES))
+
+    def write(self, piece: bytes | bytearray | memoryview) -> None:
+        assert self._file is not None, "written after commit"
+        piece = memoryview(piece).cast("B")
+        self.length += piece.nbytes
+        if self._sealer is None:
+            self._digest.update(piece)
+            self._file.write(piece)  # no segments to cut (they are the sealed format's): no copies
+            return
+        self._pending += piece
+        while len(self._pending) > SEGMENT_BYTES:
+            self._seal(bytes(self._pending[:SEGMENT_BYTES]), last=False)
+            del self._pending[:SEGMENT_BYTES]
+
+    def _seal(self, segment: bytes, last: bool) -> None:
+        assert self._sealer is not None and self._file is not None
+        aad = _segment_aad(self._label, self._index, SEGMENT_BYTES, last)
+        nonce, sealed = self._sealer.seal(segment, aad)
+        self._file.write(nonce)
+        self._file.write(sealed)
+        self._index += 1
+
+    def commit(self) -> int:
+        """Finish, fsync, rename over ``path``, fsync the directory; returns the file's size."""
+        assert self._file is not None, "committed twice"
+        if self._sealer is None:
+            self._file.write(_TRAILER.pack(self._digest.digest(), self.length))
+        else:
+            self._seal(bytes(self._pending), last=True)
+            self._pending = bytearray()
+        written = self._file.close()
+        self._file.release()
+        self._file = None
+        os.replace(self._tmp, self._path)
+        _fsync_dir(self._path.parent)
+        return written
+
+    def abort(self) -> None:
+        """Forget what was written (nothing once committed)."""
+        if self._file is not None:
+            self._file.release()
+            self._file = None
+            self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> DurableWriter:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.abort()
 
 
 def read_payload(path: Path, sealer: Sealer | None, label: str) -> bytes | bytearray:
@@ -140,38 +192,77 @@ def read_payload(path: Path, sealer: Sealer | None, label: str) -> bytes | bytea
 def _open_reader(path: Path, f: UnbufferedReader, sealer: Sealer | None, label: str) -> _Reader | _FileReader:
     """A reader of ``f``'s payload, after the checks of its kind (sealed or checksummed). A
     checksummed file is verified at its end: trust what was read only once ``rest()`` returned."""
-    magic = f.read(8)
+    magic = bytes(f.read(8))
     f.seek(0)
     size = f.size
-    if magic == SEALED_MAGIC:
+    if magic in (SEALED_MAGIC, SEALED_MAGIC_COUNTED):
         if sealer is None:
             raise StateError(
                 f"{path} is sealed: start the coordinator with the run's --run-secret to resume from it"
             )
-        return _Reader(_open_segments(path, f, size, sealer, label))
-    if magic in (MAGIC, MAGIC_SHA256):
+        opened = _open_segments if magic == SEALED_MAGIC else _open_counted_segments
+        return _Reader(opened(path, f, size, sealer, label))
+    if magic in (MAGIC, MAGIC_HEADED, MAGIC_SHA256):
         if sealer is not None:
             raise StateError(
                 f"{path} is not sealed, but this run seals its state: refusing a file that anyone "
                 "with access to the run directory could have written (move it away to start afresh)"
             )
-        return _FileReader(path, f, size)
+        return _FileReader(path, f, size, magic)
     raise CorruptStateError(f"{path}: not a geodiloco coordinator state file")
 
 
-def _open_segments(path: Path, f: UnbufferedReader, size: int, sealer: Sealer, label: str) -> Iterator[bytes]:
-    if size < _SEALED_HEADER.size:
-        raise CorruptStateError(f"{path}: shorter than its header")
-    _, key_id, length, segment_bytes = _SEALED_HEADER.unpack(f.read(_SEALED_HEADER.size))
+def _check_key(path: Path, key_id: int, sealer: Sealer) -> None:
     if key_id != sealer.key_id:
         raise StateError(
             f"{path} was sealed under another run secret (key id {key_id:08x}, this run's is "
             f"{sealer.key_id:08x}): start the coordinator with the secret of the run that wrote it"
         )
+
+
+def _check_segment_bytes(path: Path, segment_bytes: int) -> None:
     if not 0 < segment_bytes <= SEGMENT_BYTES:
         raise CorruptStateError(f"{path}: segment length {segment_bytes} out of range (altered)")
-    count = _count(length, segment_bytes)
-    expected = _SEALED_HEADER.size + count * (NONCE_BYTES + TAG_BYTES) + length
+
+
+def _open_segments(path: Path, f: UnbufferedReader, size: int, sealer: Sealer, label: str) -> Iterator[bytes]:
+    """The segments of a sealed file, each verified as it is read: every segment but the last is
+    ``segment_bytes`` long, so the file's size says where each ends and which is the last."""
+    if size < _SEALED_HEADER.size:
+        raise CorruptStateError(f"{path}: shorter than its header")
+    _, key_id, segment_bytes = _SEALED_HEADER.unpack(f.read(_SEALED_HEADER.size))
+    _check_key(path, key_id, sealer)
+    _check_segment_bytes(path, segment_bytes)
+    left, index = size - _SEALED_HEADER.size, 0
+    while True:
+        take = min(left, NONCE_BYTES + segment_bytes + TAG_BYTES)
+        if take < NONCE_BYTES + TAG_BYTES:
+            raise CorruptStateError(f"{path}: ends inside segment {index} (truncated or altered)")
+        left -= take
+        nonce, sealed = f.read(NONCE_BYTES), f.read(take - NONCE_BYTES)
+        try:
+            yield sealer.open(nonce, sealed, _segment_aad(label, index, segment_bytes, left == 0))
+        except SealError:
+            raise CorruptStateError(
+                f"{path}: segment {index} does not authenticate (truncated or altered, or not this "
+                "run's file)"
+            ) from None
+        if left == 0:
+            return
+        index += 1
+
+
+def _open_counted_segments(
+    path: Path, f: UnbufferedReader, size: int, sealer: Sealer, label: str
+) -> Iterator[bytes]:
+    """The segments of a sealed file of the earlier format: count and length in the header."""
+    if size < _SEALED_HEADER_COUNTED.size:
+        raise CorruptStateError(f"{path}: shorter than its header")
+    _, key_id, length, segment_bytes = _SEALED_HEADER_COUNTED.unpack(f.read(_SEALED_HEADER_COUNTED.size))
+    _check_key(path, key_id, sealer)
+    _check_segment_bytes(path, segment_bytes)
+    count = max(1, -(-length // segment_bytes))
+    expected = _SEALED_HEADER_COUNTED.size + count * (NONCE_BYTES + TAG_BYTES) + length
     if size != expected:
         raise CorruptStateError(
             f"{path}: {size} bytes where the header says {expected} (truncated or altered)"
@@ -179,42 +270,19 @@ def _open_segments(path: Path, f: UnbufferedReader, size: int, sealer: Sealer, l
     for i in range(count):
         nonce = f.read(NONCE_BYTES)
         sealed = f.read(min(segment_bytes, length - i * segment_bytes) + TAG_BYTES)
+        aad = (
+            SEALED_MAGIC_COUNTED + label.encode() + _SEGMENT_AAD_COUNTED.pack(i, count, segment_bytes, length)
+        )
         try:
-            yield sealer.open(nonce, sealed, _segment_aad(label, i, count, segment_bytes, length))
+            yield sealer.open(nonce, sealed, aad)
         except SealError:
             raise CorruptStateError(
                 f"{path}: segment {i} of {count} does not authenticate (altered, or not this run's file)"
             ) from None
 
 
-def _count(length: int, segment_bytes: int) -> int:
-    return max(1, -(-length // segment_bytes))
-
-
-def _segment_aad(label: str, index: int, count: int, segment_bytes: int, length: int) -> bytes:
-    return SEALED_MAGIC + label.encode() + _SEGMENT_AAD.pack(index, count, segment_bytes, length)
-
-
-def _segments(pieces: list[memoryview], size: int) -> Iterator[memoryview]:
-    """The concatenation of ``pieces`` cut into ``size``-byte segments (the last may be shorter),
-    copying only where a segment straddles two pieces."""
-    buffer = bytearray()
-    for piece in pieces:
-        at = 0
-        if buffer:
-            take = min(size - len(buffer), piece.nbytes)
-            buffer += piece[:take]
-            at = take
-            if len(buffer) == size:
-                yield memoryview(buffer)
-                buffer = bytearray()
-        while piece.nbytes - at >= size:
-            yield piece[at : at + size]
-            at += size
-        if at < piece.nbytes:
-            buffer += piece[at:]
-    if buffer or not pieces:
-        yield memoryview(buffer)
+def _segment_aad(label: str, index: int, segment_bytes: int, last: bool) -> bytes:
+    return SEALED_MAGIC + label.encode() + _SEGMENT_AAD.pack(index, segment_bytes, last)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -309,24 +377,35 @@ class _FileReader:
     """Sequential reads of a checksummed file into their destinations (a tensor's memory: no
     copy through segments), hashed as they go and verified by ``rest()``."""
 
-    def __init__(self, path: Path, f: UnbufferedReader, size: int) -> None:
-        header = _HEADER if f.read(8) == MAGIC else _HEADER_SHA256
-        f.seek(0)
-        if size < header.size:
-            raise CorruptStateError(f"{path}: shorter than its header")
-        _, self._expected, length = header.unpack(f.read(header.size))
-        if size - header.size != length:
+    def __init__(self, path: Path, f: UnbufferedReader, size: int, magic: bytes) -> None:
+        if magic == MAGIC:  # checksum and length after the payload
+            if size < len(MAGIC) + _TRAILER.size:
+                raise CorruptStateError(f"{path}: shorter than its checksum")
+            f.seek(size - _TRAILER.size)
+            self._expected, self._left = _TRAILER.unpack(f.read(_TRAILER.size))
+            f.seek(len(MAGIC))
+            payload = size - len(MAGIC) - _TRAILER.size
+        else:  # an earlier version's header
+            header = _HEADER if magic == MAGIC_HEADED else _HEADER_SHA256
+            if size < header.size:
+                raise CorruptStateError(f"{path}: shorter than its header")
+            _, self._expected, self._left = header.unpack(f.read(header.size))
+            payload = size - header.size
+        if payload != self._left:
             raise CorruptStateError(f"{path}: checksum mismatch (truncated or altered)")
         self._path, self._f = path, f
-        self._digest: Any = xxhash.xxh3_128() if header is _HEADER else hashlib.sha256()
+        self._digest: Any = hashlib.sha256() if magic == MAGIC_SHA256 else xxhash.xxh3_128()
 
     def readinto(self, out: memoryview) -> None:
+        if out.nbytes > self._left:
+            raise CorruptStateError(f"{self._path}: the state ends early (truncated)")
         at = 0
         while at < out.nbytes:
             got = self._f.readinto(out[at:])
             if not got:
                 raise CorruptStateError(f"{self._path}: the state ends early (truncated)")
             at += got
+        self._left -= out.nbytes
         self._digest.update(out)
 
     def read(self, n: int) -> bytes:
@@ -336,7 +415,8 @@ class _FileReader:
 
     def rest(self) -> bytearray:
         """Everything left, once the whole file is verified."""
-        data = self._f.read()
+        data = self._f.read(self._left)
+        self._left = 0
         self._digest.update(data)
         if self._digest.digest() != self._expected:
             raise CorruptStateError(f"{self._path}: checksum mismatch (truncated or altered)")

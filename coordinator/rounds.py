@@ -16,11 +16,11 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,12 +45,13 @@ from geodiloco.coordinator.reports import REPORT_LOG, HashReport, append_report,
 from geodiloco.coordinator.rounds_pool import WORKERS
 from geodiloco.coordinator.rundir import ROUND_LOG as ROUND_LOG
 from geodiloco.coordinator.rundir import check_run_config
-from geodiloco.coordinator.updatelog import LoggedUpdate, logged_rounds, prune, read_update, write_update
+from geodiloco.coordinator.updatelog import LoggedUpdate, UpdateLogWriter, logged_rounds, prune, read_update
 from geodiloco.params import Checksum, add_encoded_and_hash, state_hash
 from geodiloco.security.sealing import Sealer
 from geodiloco.workload.data import DataRange
 
 log = logging.getLogger("geodiloco.coordinator")
+T = TypeVar("T")
 
 FULL_STATE_CODEC = "fp32|zstd:1"
 KEEP_UPDATES = 4  # committed updates kept for sites that fall a round or two behind
@@ -525,7 +526,17 @@ class RoundController:
         # holds its own reference), freed in a worker: a model-sized free is not the loop's work.
         dropped = [self.updates.pop(k) for k in [k for k in self.updates if k <= r - kept]]
         await asyncio.to_thread(dropped.clear)
-        update = await asyncio.to_thread(self._advance, r)
+        log_file = await self._on_disk(r, self._open_update_log, r)
+        try:
+            await self._close_round(r, started, contributors, tokens, log_file)
+        finally:
+            if log_file is not None:
+                log_file.abort()  # a commit that did not finish leaves no file; none once committed
+
+    async def _close_round(
+        self, r: int, started: float, contributors: list[str], tokens: int, log_file: UpdateLogWriter | None
+    ) -> None:
+        update = await self._on_disk(r, self._advance, r, log_file)
         computed = time.monotonic()
         digest = update.state_hash
         self.updates[r] = update
@@ -553,7 +564,7 @@ class RoundController:
         self.first_contribution = None
         self._full_state = None
         faults.at_commit(r)  # tests: a fault plan's kill or raise, advanced in memory, not yet durable
-        await self._persist()
+        await self._persist(log_file)
         log.info(
             "round %d committed: %s, %d tokens, update %d bytes, hash %s (outer step %.2fs, durable %.2fs)",
             r,
@@ -566,13 +577,26 @@ class RoundController:
         )
         await self._notify()
 
-    def _advance(self, round_: int) -> CommittedUpdate:
+    def _open_update_log(self, round_: int) -> UpdateLogWriter | None:
+        return None if self.run_dir is None else UpdateLogWriter(self.run_dir, round_, self.sealer)
+
+    async def _on_disk(self, round_: int, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` in a worker thread. Crash-only: if the disk fails, the process exits
+        and a restart resumes from the last durable round."""
+        try:
+            return await asyncio.to_thread(work, *args)
+        except OSError:
+            log.critical("cannot commit round %d to %s; exiting", round_, self.run_dir, exc_info=True)
+            os._exit(70)
+
+    def _advance(self, round_: int, log_file: UpdateLogWriter | None) -> CommittedUpdate:
         """θ_round → θ_{round+1} (worker thread), chunk by chunk and in place, chunks in parallel,
         every step on a chunk while it is in cache: average, outer step and downlink residual in
         one pass (:meth:`~OuterOptimizer.send_step`), encode, then apply the change as every site
         decodes it (from the codes, q8 values never written out), keep what the encoding dropped,
         and hash and measure the new θ in another (:func:`~geodiloco.params.add_encoded_and_hash`).
-        A round costs a few passes over the model."""
+        A round costs a few passes over the model. Each encoded chunk goes to the round's log
+        file as it comes, in order: the disk writes while the next chunks are computed."""
         feedback, total = self.downlink_feedback, self.mean.total
         send_step = self.optimizer.send_step(total, self.mean.divisor, feedback.residual, feedback.decay)
 
@@ -587,7 +611,11 @@ class RoundController:
             )  # send keeps what was dropped
             return EncodedChunk(start, numel, payload), checksum, sumsq
 
-        done = list(WORKERS.map(one, chunk_ranges(self.num_params, self.cfg.compression.chunk_elements)))
+        done = []
+        for result in WORKERS.map(one, chunk_ranges(self.num_params, self.cfg.compression.chunk_elements)):
+            if log_file is not None:
+                log_file.add(result[0])
+            done.append(result)
         self.mean.reset()
         checksum = Checksum()
         for _, part, _ in done:
@@ -595,11 +623,10 @@ class RoundController:
         self.theta_norm = math.sqrt(sum(s for _, _, s in done))
         return CommittedUpdate(round_, self.downlink.spec, [c for c, _, _ in done], checksum.hexdigest())
 
-    async def _persist(self) -> None:
-        """Log the round just committed (its compressed update and record), and every
-        ``snapshot_every`` rounds the whole state, then the round log. Crash-only: if a write
-        fails, the process exits and a restart resumes from the last durable round."""
-        if self.run_dir is None:
+    async def _persist(self, log_file: UpdateLogWriter | None) -> None:
+        """Commit the round's log file (its compressed update, written by :meth:`_advance`, and
+        now its record), and every ``snapshot_every`` rounds the whole state, then the round log."""
+        if self.run_dir is None or log_file is None:
             return
         r = self.round - 1
         update, record = self.updates[r], self.history[-1]
@@ -614,15 +641,13 @@ class RoundController:
         )
         due = self.round % self.cfg.snapshot_every == 0 or self.finished
         snapshot = self.snapshot() if due else None  # the small parts, read on the loop
-        try:
-            await asyncio.to_thread(self._write_commit, logged, snapshot)
-        except OSError:
-            log.critical("cannot commit round %d to %s; exiting", r, self.run_dir, exc_info=True)
-            os._exit(70)
+        await self._on_disk(r, self._write_commit, log_file, logged, snapshot)
 
-    def _write_commit(self, logged: LoggedUpdate, snapshot: dict[str, Any] | None) -> None:
+    def _write_commit(
+        self, log_file: UpdateLogWriter, logged: LoggedUpdate, snapshot: dict[str, Any] | None
+    ) -> None:
         assert self.run_dir is not None
-        self.disk_bytes = write_update(self.run_dir, logged, self.sealer)
+        self.disk_bytes = log_file.commit(logged)
         if snapshot is not None:
             self.disk_bytes += self._write_snapshot(snapshot)
         assert self.snapshot_round is None or self.snapshot_round <= self.round

@@ -91,7 +91,8 @@ class UnbufferedFile:
         os.fsync(self._fd)
         return self.size
 
-    def _release(self) -> None:
+    def release(self) -> None:
+        """Close the file (without the padding and fsync of :meth:`close`) and keep the buffer."""
         os.close(self._fd)
         self._view.release()
         _give_back(self._buffer)
@@ -102,7 +103,7 @@ class UnbufferedFile:
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._release()
+        self.release()
 
 
 class UnbufferedReader:

@@ -2,8 +2,9 @@
 
 A commit costs the disk what the round costs the wire: the downlink update exactly as the sites
 receive it (plus a small record), not the model. ``RUN_DIR/updates/<round>.update`` is written
-atomically, checksummed or sealed like the state (:mod:`.durable`, labelled with its round, so
-a file cannot be passed off as another round's), before the round is published. A snapshot of
+as the update is computed and made durable atomically before the round is published,
+checksummed or sealed like the state (:mod:`.durable`, labelled with its round, so a file
+cannot be passed off as another round's). A snapshot of
 the whole state is taken every few rounds; a restart loads the last snapshot and replays the
 updates logged after it, each checked against the hash chain (the θ it starts from and the θ
 it gives). The same files serve sites that fell a round or two behind.
@@ -15,15 +16,17 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from geodiloco.compression import EncodedChunk
-from geodiloco.coordinator.durable import CorruptStateError, read_payload, write_stream
+from geodiloco.coordinator.durable import CorruptStateError, DurableWriter, read_payload
 from geodiloco.security.sealing import Sealer
 
 UPDATES_DIR = "updates"
 _SUFFIX = ".update"
 _LENGTH = struct.Struct("<Q")
+UPDATE_MAGIC = b"GDLUPD02"  # earlier files begin with the record's length: a small number
 
 
 @dataclass(slots=True)
@@ -51,21 +54,63 @@ def _label(round_: int) -> str:
     return f"coordinator-update:{round_}"
 
 
+class UpdateLogWriter:
+    """The log file of one round, written while the round is computed: each encoded chunk as it
+    comes (:meth:`add`), then the round's record, and only then made durable and visible
+    (:meth:`commit`). The payload is the chunks, the record (JSON) and the record's length, so
+    nothing about the round need be known before its first chunk is written."""
+
+    def __init__(self, run_dir: Path, round_: int, sealer: Sealer | None) -> None:
+        (run_dir / UPDATES_DIR).mkdir(exist_ok=True)
+        self.round = round_
+        self._out = DurableWriter(update_path(run_dir, round_), sealer, _label(round_))
+        self._out.write(UPDATE_MAGIC)
+        self._chunks: list[list[int]] = []
+
+    def add(self, chunk: EncodedChunk) -> None:
+        self._out.write(chunk.payload)
+        self._chunks.append([chunk.start, chunk.numel, len(chunk.payload)])
+
+    def commit(self, update: LoggedUpdate) -> int:
+        """Log ``update`` (whose chunks are the ones added, in order) durably; returns the bytes
+        written."""
+        chunks = [[c.start, c.numel, len(c.payload)] for c in update.chunks]
+        if update.round != self.round or chunks != self._chunks:
+            raise ValueError(
+                f"round {update.round}'s update is not the one written to the log of {self.round}"
+            )
+        meta = {
+            "run_id": update.run_id,
+            "round": update.round,
+            "codec": update.codec,
+            "base_hash": update.base_hash,
+            "state_hash": update.state_hash,
+            "chunks": chunks,
+            "record": update.record,
+        }
+        tail = json.dumps(meta).encode()
+        self._out.write(tail + _LENGTH.pack(len(tail)))
+        return self._out.commit()
+
+    def abort(self) -> None:
+        """Forget the round's file (nothing once committed)."""
+        self._out.abort()
+
+    def __enter__(self) -> UpdateLogWriter:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.abort()
+
+
 def write_update(run_dir: Path, update: LoggedUpdate, sealer: Sealer | None) -> int:
     """Log one committed round durably; returns the bytes written."""
-    (run_dir / UPDATES_DIR).mkdir(exist_ok=True)
-    meta = {
-        "run_id": update.run_id,
-        "round": update.round,
-        "codec": update.codec,
-        "base_hash": update.base_hash,
-        "state_hash": update.state_hash,
-        "chunks": [[c.start, c.numel, len(c.payload)] for c in update.chunks],
-        "record": update.record,
-    }
-    head = json.dumps(meta).encode()
-    pieces = [memoryview(_LENGTH.pack(len(head)) + head), *(memoryview(c.payload) for c in update.chunks)]
-    return write_stream(update_path(run_dir, update.round), pieces, sealer, _label(update.round))
+    with UpdateLogWriter(run_dir, update.round, sealer) as out:
+        for chunk in update.chunks:
+            out.add(chunk)
+        return out.commit(update)
 
 
 def read_update(run_dir: Path, round_: int, sealer: Sealer | None) -> LoggedUpdate | None:
@@ -75,9 +120,17 @@ def read_update(run_dir: Path, round_: int, sealer: Sealer | None) -> LoggedUpda
         return None
     data = memoryview(read_payload(path, sealer, _label(round_)))
     try:
-        (length,) = _LENGTH.unpack_from(data)
-        meta = json.loads(bytes(data[_LENGTH.size : _LENGTH.size + length]))
-        at, chunks = _LENGTH.size + length, []
+        if data[: len(UPDATE_MAGIC)] == UPDATE_MAGIC:  # chunks, then the record
+            (length,) = _LENGTH.unpack_from(data, data.nbytes - _LENGTH.size)
+            end = data.nbytes - _LENGTH.size - length
+            if end < len(UPDATE_MAGIC):
+                raise ValueError(f"a record of {length} bytes in a payload of {data.nbytes}")
+            meta, at = json.loads(bytes(data[end : end + length])), len(UPDATE_MAGIC)
+        else:  # an earlier version's: the record, then the chunks
+            (length,) = _LENGTH.unpack_from(data)
+            meta, at = json.loads(bytes(data[_LENGTH.size : _LENGTH.size + length])), _LENGTH.size + length
+            end = data.nbytes
+        chunks = []
         for start, numel, size in meta["chunks"]:
             chunks.append(EncodedChunk(int(start), int(numel), bytes(data[at : at + size])))
             at += size
@@ -92,7 +145,7 @@ def read_update(run_dir: Path, round_: int, sealer: Sealer | None) -> LoggedUpda
         )
     except (ValueError, KeyError, TypeError, struct.error) as exc:
         raise CorruptStateError(f"{path}: not a logged update ({exc})") from None
-    if update.round != round_ or at != data.nbytes:
+    if update.round != round_ or at != end:
         raise CorruptStateError(f"{path}: holds round {update.round}, not {round_} (moved or altered)")
     return update
 

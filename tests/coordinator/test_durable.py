@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from geodiloco import cli
 from geodiloco.coordinator import durable
@@ -97,8 +98,79 @@ def test_segments_cannot_be_reordered(tmp_path: Path, monkeypatch: pytest.Monkey
     data = path.read_bytes()
     swapped = data[:header] + data[header + seg : header + 2 * seg] + data[header : header + seg]
     path.write_bytes(swapped + data[header + 2 * seg :])
-    with pytest.raises(CorruptStateError, match="segment 0 of"):
+    with pytest.raises(CorruptStateError, match="segment 0 does not authenticate"):
         load_state(path, sealer())
+
+
+def test_a_sealed_file_cut_at_a_segment_boundary_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every segment knows whether it is the last: dropping whole segments off the end (or
+    appending a sealed segment of this file) does not authenticate."""
+    monkeypatch.setattr(durable, "SEGMENT_BYTES", 1024)
+    path = tmp_path / STATE_FILE
+    save_state(path, {"theta": torch.arange(2048, dtype=torch.float32)}, sealer())
+    header, seg = durable._SEALED_HEADER.size, 12 + 1024 + 16
+    data = path.read_bytes()
+    count = -(-(len(data) - header) // seg)
+    path.write_bytes(data[: header + (count - 1) * seg])
+    with pytest.raises(CorruptStateError, match=f"segment {count - 2} does not authenticate"):
+        load_state(path, sealer())
+    path.write_bytes(data + data[header : header + seg])
+    with pytest.raises(CorruptStateError, match="does not authenticate"):
+        load_state(path, sealer())
+
+
+@pytest.mark.parametrize("length", [0, 1023, 1024, 1025, 4096])
+def test_streamed_payloads_of_any_length_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, length: int
+) -> None:
+    """Segment edges: empty, one short of, exactly at and one past a segment, several segments;
+    sealed and checksummed, written in pieces that straddle segments."""
+    monkeypatch.setattr(durable, "SEGMENT_BYTES", 1024)
+    payload = os.urandom(length)
+    for key in (None, sealer()):
+        path = tmp_path / f"{length}-{key is None}"
+        with durable.DurableWriter(path, key, "label") as out:
+            for at in range(0, length, 700):
+                out.write(payload[at : at + 700])
+            out.commit()
+        assert durable.read_payload(path, key, "label") == payload
+        assert not path.with_name(path.name + ".tmp").exists()
+
+
+def test_an_uncommitted_writer_leaves_the_previous_file(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    durable.write_stream(path, [memoryview(b"before")], None, "label")
+    with durable.DurableWriter(path, None, "label") as out:
+        out.write(b"after")
+    assert durable.read_payload(path, None, "label") == b"before"
+    assert [p.name for p in tmp_path.iterdir()] == ["f"]
+
+
+def test_files_of_the_earlier_formats_still_read(tmp_path: Path) -> None:
+    """Checksum in the header (GDLSTAT2) and segment count in the header (GDLSTAS1): a run
+    directory written before the streamed formats resumes."""
+    state = {"round": 3, "theta": torch.arange(5000, dtype=torch.float32)}
+    new = tmp_path / "new"
+    save_state(new, state)
+    payload = bytes(durable.read_payload(new, None, STATE_LABEL))
+    old = tmp_path / "old"
+    digest = xxhash.xxh3_128(payload).digest()
+    old.write_bytes(durable._HEADER.pack(durable.MAGIC_HEADED, digest, len(payload)) + payload)
+    assert torch.equal(load_state(old)["theta"], state["theta"])  # type: ignore[index]
+    key = sealer()
+    aad = durable.SEALED_MAGIC_COUNTED + STATE_LABEL.encode()
+    aad += durable._SEGMENT_AAD_COUNTED.pack(0, 1, durable.SEGMENT_BYTES, len(payload))
+    nonce, sealed = key.seal(payload, aad)
+    header = durable._SEALED_HEADER_COUNTED.pack(
+        durable.SEALED_MAGIC_COUNTED, key.key_id, len(payload), durable.SEGMENT_BYTES
+    )
+    old.write_bytes(header + nonce + sealed)
+    assert torch.equal(load_state(old, key)["theta"], state["theta"])  # type: ignore[index]
+    old.write_bytes(header + nonce + sealed[:-1])
+    with pytest.raises(CorruptStateError, match="truncated or altered"):
+        load_state(old, key)
 
 
 def test_serve_refuses_a_sealed_state_without_the_secret_in_one_line(
@@ -134,12 +206,12 @@ def test_unsealed_state_is_checksummed_and_earlier_sha256_files_still_read(tmp_p
     blob = bytearray(path.read_bytes())
     assert blob.startswith(durable.MAGIC)
     assert torch.equal(load_state(path)["theta"], state["theta"])  # type: ignore[index]
-    blob[-7] ^= 1  # one bit of θ
+    blob[-7 - durable._TRAILER.size] ^= 1  # one bit of θ
     path.write_bytes(blob)
     with pytest.raises(CorruptStateError, match="checksum mismatch"):
         load_state(path)
     # a file of the first version (SHA-256 header) is read, and checked, the same way
-    payload = bytes(blob[durable._HEADER.size :])
+    payload = bytes(blob[len(durable.MAGIC) : -durable._TRAILER.size])
     payload = payload[:-7] + bytes([payload[-7] ^ 1]) + payload[-6:]
     old = durable._HEADER_SHA256.pack(durable.MAGIC_SHA256, hashlib.sha256(payload).digest(), len(payload))
     path.write_bytes(old + payload)

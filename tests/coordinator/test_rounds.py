@@ -14,6 +14,7 @@ from geodiloco.coordinator.errors import ContributionMissing, FailedPrecondition
 from geodiloco.coordinator.reports import REPORT_LOG
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.coordinator.server import data_shard_sizes
+from geodiloco.coordinator.updatelog import UpdateLogWriter
 from geodiloco.params import state_hash
 from helpers import ledger_problems, round_log, tiny_config
 
@@ -125,9 +126,9 @@ async def test_an_update_is_served_only_once_it_is_durable(tmp_path: Path) -> No
     release, persisted = asyncio.Event(), asyncio.Event()
     persist = c._persist
 
-    async def slow_persist() -> None:
+    async def slow_persist(log_file: UpdateLogWriter | None) -> None:
         await release.wait()
-        await persist()
+        await persist(log_file)
         persisted.set()
 
     c._persist = slow_persist  # type: ignore[method-assign]

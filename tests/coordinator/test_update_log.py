@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from geodiloco.coordinator import updatelog
-from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError
+from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError, write_stream
 from geodiloco.coordinator.replay import committed_parameters
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.params import state_hash
@@ -92,6 +93,43 @@ def test_a_tampered_or_moved_update_is_refused(tmp_path: Path) -> None:
         controller(tmp_path)
 
 
+def test_an_update_logged_by_an_earlier_version_still_reads(tmp_path: Path) -> None:
+    """Earlier files put the record before the chunks; today's put it after (written as the
+    chunks are computed). Both read to the same update."""
+    c = controller(tmp_path)
+    asyncio.run(commit_rounds(c, 2))
+    logged = updatelog.read_update(tmp_path, 1, None)
+    assert logged is not None
+    meta = {
+        "run_id": logged.run_id,
+        "round": 1,
+        "codec": logged.codec,
+        "base_hash": logged.base_hash,
+        "state_hash": logged.state_hash,
+        "chunks": [[x.start, x.numel, len(x.payload)] for x in logged.chunks],
+        "record": logged.record,
+    }
+    head = json.dumps(meta).encode()
+    pieces = [struct.pack("<Q", len(head)) + head, *(x.payload for x in logged.chunks)]
+    path = updatelog.update_path(tmp_path, 1)
+    write_stream(path, [memoryview(p) for p in pieces], None, "coordinator-update:1")
+    assert updatelog.read_update(tmp_path, 1, None) == logged
+    assert torch.equal(controller(tmp_path).theta, c.theta)
+
+
+def test_the_log_refuses_a_record_that_is_not_of_the_chunks_written(tmp_path: Path) -> None:
+    c = controller(tmp_path)
+    asyncio.run(commit_rounds(c, 1))
+    logged = updatelog.read_update(tmp_path, 0, None)
+    assert logged is not None
+    with updatelog.UpdateLogWriter(tmp_path, 0, None) as out:
+        for chunk in [*logged.chunks, logged.chunks[0]]:  # one chunk too many
+            out.add(chunk)
+        with pytest.raises(ValueError, match="not the one written"):
+            out.commit(logged)
+    assert updatelog.read_update(tmp_path, 0, None) == logged  # the committed file is untouched
+
+
 CRASH = """
 import asyncio, os, signal, sys
 from pathlib import Path
@@ -109,13 +147,13 @@ elif point == "after_snapshot_before_round_log":
         save(*a, **k)
         die()
     rounds.save_state = save_then_die
-elif point == "before_update":
-    real = rounds.write_update
-    def write(run_dir, update, sealer):
+elif point == "before_update":  # round 5's chunks are written, its file not yet committed
+    real = rounds.UpdateLogWriter.commit
+    def commit(self, update):
         if update.round == 5:
             die()
-        return real(run_dir, update, sealer)
-    rounds.write_update = write
+        return real(self, update)
+    rounds.UpdateLogWriter.commit = commit
 asyncio.run(commit_rounds(controller(run_dir), 6))
 """
 
@@ -148,6 +186,7 @@ def test_kill_9_between_snapshot_and_log_append_then_replay(tmp_path: Path, poin
     assert all(x["state_hash"] == y["base_hash"] for x, y in itertools.pairwise(lines))
     asyncio.run(commit_rounds(restarted, 6 - expected))  # and the run goes on from there
     assert restarted.round == 6
+    assert not list((tmp_path / "updates").glob("*.tmp"))  # a file never committed is cleared
 
 
 def _theta_at(rounds: int) -> torch.Tensor:
