@@ -105,14 +105,6 @@ class UpdateLogWriter:
         self.abort()
 
 
-def write_update(run_dir: Path, update: LoggedUpdate, sealer: Sealer | None) -> int:
-    """Log one committed round durably; returns the bytes written."""
-    with UpdateLogWriter(run_dir, update.round, sealer) as out:
-        for chunk in update.chunks:
-            out.add(chunk)
-        return out.commit(update)
-
-
 def read_update(run_dir: Path, round_: int, sealer: Sealer | None) -> LoggedUpdate | None:
     """The logged update closing ``round_``, verified; None when it is not (or no longer) logged."""
     path = update_path(run_dir, round_)
