@@ -172,7 +172,8 @@ def site_main(args: argparse.Namespace) -> None:
         client.push(r, CODEC, SeededDelta(args.params[0], base, r), tokens=1000, timeout_s=3600)
         t_pushed = time.time()
         parts.clear()
-        pulled = client.pull(r, timeout_s=3600, on_chunk=apply)  # decoded while later chunks arrive
+        # applied as it arrives, payloads not kept, as a one-rank site does (site/outer_sync.py)
+        pulled = client.pull(r, timeout_s=3600, on_chunk=apply, keep_payloads=False)
         t_pulled = time.time()
         if pulled.codec != CODEC or sorted(parts) != list(range(pulled.total_chunks)):
             raise RuntimeError(

@@ -259,12 +259,12 @@ class Pipeline:
             host = torch.cat([indices.encode(kept.cpu(), x.numel()), host])
         return self._seal(host, x.numel(), prefix), back
 
-    def decode(self, data: bytes, numel: int, place: Place | None = None) -> torch.Tensor:
+    def decode(self, data: bytes | memoryview, numel: int, place: Place | None = None) -> torch.Tensor:
         """The fp32 tensor of ``numel`` elements in ``data``; CodecError on any inconsistency."""
         raw, kept = self._unpack(data, numel, place)
         return self._values(raw, numel, kept)
 
-    def unpack(self, data: bytes, numel: int, place: Place | None = None) -> torch.Tensor:
+    def unpack(self, data: bytes | memoryview, numel: int, place: Place | None = None) -> torch.Tensor:
         """The frame's raw bytes (its body after the entropy stage: value codes, scales, indices),
         checked for size; :meth:`decode_raw` gives its values. A receiver that needs the values
         twice keeps these and undoes the entropy stage once."""
@@ -319,7 +319,7 @@ class Pipeline:
         return self.raw_size(numel)
 
     def _unpack(
-        self, data: bytes, numel: int, place: Place | None
+        self, data: bytes | memoryview, numel: int, place: Place | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         body = envelope.open_frame(data, self.tag, numel, self.spec)
         kept: torch.Tensor | None = None

@@ -32,6 +32,7 @@ from typing import IO, Any
 import numpy as np
 import torch
 import xxhash
+from google.protobuf import message_factory
 
 from geodiloco.compression import Pipeline, Place
 from geodiloco.config import LimitsConfig
@@ -227,7 +228,7 @@ class StagedContribution:
         self.staged.fold_into(total, weight, first, self.pool)
 
 
-def chunk_digest(chunk: Any, opened: bytes) -> bytes:
+def chunk_digest(chunk: Any, opened: bytes | memoryview) -> bytes:
     """XXH3-128 of one chunk as opened: every field but the nonce (random per sealing) and the
     sealed payload, then the opened payload. A retry of the same push digests the same.
 
@@ -235,7 +236,8 @@ def chunk_digest(chunk: Any, opened: bytes) -> bytes:
     needs no collision resistance: a site that forged a collision would only have its own
     second push ignored. SHA-256 here cost 0.5 ms per MB, a tenth of the coordinator's CPU at
     100M parameters; XXH3 costs 0.013 ms."""
-    meta = type(chunk)(
+    cls: Any = message_factory.GetMessageClass(chunk.DESCRIPTOR)  # a cut message's class too
+    meta = cls(
         header=chunk.header,
         tokens=chunk.tokens,
         total_chunks=chunk.total_chunks,
@@ -323,7 +325,7 @@ class Intake:
         num_params: int,
         chunk_elements: int,
         limits: LimitsConfig,
-        opener: Callable[[Any], bytes],
+        opener: Callable[[Any], bytes | memoryview],
         spill_dir: Path | None = None,
         fragment: int = 0,
     ) -> None:
@@ -415,7 +417,7 @@ class Intake:
         return segment
 
     def decode_checked(
-        self, payload: bytes, round_: int, segment: Segment, seq: int
+        self, payload: bytes | memoryview, round_: int, segment: Segment, seq: int
     ) -> tuple[torch.Tensor, float]:
         """Decode one chunk: its raw bytes (what is staged) and Σ Δ² of its values; NaN/Inf is
         refused here (worker thread)."""
@@ -435,12 +437,12 @@ class PartStream:
     Every chunk is opened and digested, a repeat's too: a repeat is a duplicate only when its
     digest equals the accepted part's (see :meth:`check_repeat`)."""
 
-    def __init__(self, intake: Intake, first: Any, opened: bytes) -> None:
+    def __init__(self, intake: Intake, first: Any, opened: bytes | memoryview) -> None:
         self.intake = intake
         self.first = first
         self.site: str = first.header.site
         self.round: int = first.header.round
-        self._first_payload: bytes | None = opened
+        self._first_payload: bytes | memoryview | None = opened
         self.staged: Staged | None = None
         self.attempt: int | None = None
         self.index = 0
@@ -492,7 +494,7 @@ class PartStream:
         if len(self.pending) >= WINDOW:
             await self.pending.popleft()
 
-    def _process(self, chunk: Any, opened: bytes | None, segment: Segment) -> None:
+    def _process(self, chunk: Any, opened: bytes | memoryview | None, segment: Segment) -> None:
         staged, attempt = self.staged, self.attempt
         payload = opened if opened is not None else self.intake.opener(chunk)
         self.chunk_digests[chunk.header.seq] = chunk_digest(chunk, payload)

@@ -373,13 +373,14 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             outcome=outcome,
         )
 
-    def _open(self, chunk: Any) -> bytes:
+    def _open(self, chunk: Any) -> bytes | memoryview:
         """A chunk's payload, authenticated and opened with its site's key (worker thread).
-        A sealed chunk to a run that does not seal is named as such, not left to fail decoding."""
+        A sealed chunk to a run that does not seal is named as such, not left to fail decoding.
+        Unsealed, the payload as received: a view of the message's bytes, not a copy."""
         if self.security.keyring is None:
             if chunk.header.nonce or chunk.header.key_id:
                 raise FailedPrecondition(NOT_SEALING)
-            return bytes(chunk.payload)
+            return chunk.payload
         return open_delta(self.security.keyring.site(chunk.header.site).up, chunk)
 
     async def _begin(self, first: Any) -> PartStream:

@@ -32,13 +32,99 @@ def decode(cls: type[Message], data: bytes) -> Any:
         raise MalformedRequest(f"malformed {cls.DESCRIPTOR.name} ({len(data)} bytes): {exc}") from None
 
 
+BULK_FIELD = "payload"  # a streamed message's megabyte-sized bytes field, left unparsed
+
+
+class CutMessage:
+    """A message parsed without its bulk bytes field, which stays a view of the received bytes
+    (:attr:`payload`, the field's value); every other field reads through to :attr:`message`.
+
+    Parsing a push chunk whole copied its payload into the message, and each read of
+    ``payload`` copied it out again: three copies of every pushed byte on the coordinator, the
+    first on its event loop (``benchmarks/scale.py``)."""
+
+    __slots__ = ("message", "payload")
+
+    def __init__(self, message: Any, payload: memoryview) -> None:
+        self.message, self.payload = message, payload
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.message, name)
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int] | None:
+    """The varint at ``data[at:]`` and the offset after it; None if it runs off the end."""
+    value = shift = 0
+    while at < len(data) and shift < 64:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+    return None
+
+
+def cut_field(data: bytes, number: int) -> tuple[bytes, memoryview] | None:
+    """``data`` (a serialized message) without its top-level length-delimited field ``number``,
+    and that field's value (the last, as a parser takes it) as a view of ``data``. None where the
+    field is absent or the bytes do not scan as top-level fields: the whole parse then takes
+    them and names any fault."""
+    view = memoryview(data)
+    kept: list[memoryview] = []
+    value: memoryview | None = None
+    at, end = 0, len(data)
+    while at < end:
+        start = at
+        key = _varint(data, at)
+        if key is None:
+            return None
+        tag, at = key
+        wire = tag & 7
+        if wire == 0:
+            skipped = _varint(data, at)
+            if skipped is None:
+                return None
+            at = skipped[1]
+        elif wire in (1, 5):
+            at += 8 if wire == 1 else 4
+        elif wire == 2:
+            length = _varint(data, at)
+            if length is None:
+                return None
+            at = length[1] + length[0]
+            if at <= end and tag >> 3 == number:
+                value = view[length[1] : at]
+                continue
+        else:  # groups: not in this protocol
+            return None
+        if at > end:
+            return None
+        kept.append(view[start:at])
+    return None if value is None else (b"".join(kept), value)
+
+
+def decode_cut(cls: type[Message], data: bytes, field: str = BULK_FIELD) -> Any:
+    """Parse ``data`` as ``cls`` with ``field`` (bytes) left unparsed where it can be: a
+    :class:`CutMessage`, or the plain message where the field is absent or the bytes are odd."""
+    cut = cut_field(data, cls.DESCRIPTOR.fields_by_name[field].number)
+    if cut is None:
+        return decode(cls, data)
+    rest, value = cut
+    try:
+        return CutMessage(cls.FromString(rest), value)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise MalformedRequest(f"malformed {cls.DESCRIPTOR.name} ({len(data)} bytes): {exc}") from None
+
+
 class DecodedStream:
-    """A client stream's messages, decoded as they are read. ``last_size`` is the wire size of
-    the message read last: byte counts come from what arrived, not from re-encoding a
-    megabyte-sized message on the event loop to measure it."""
+    """A client stream's messages, decoded as they are read (a message with a bulk field, cut:
+    :func:`decode_cut`). ``last_size`` is the wire size of the message read last: byte counts
+    come from what arrived, not from re-encoding a megabyte-sized message to measure it."""
 
     def __init__(self, cls: type[Message], raw: AsyncIterator[bytes]) -> None:
         self._cls, self._raw = cls, raw
+        self._cut = BULK_FIELD in cls.DESCRIPTOR.fields_by_name
         self.last_size = 0
 
     def __aiter__(self) -> DecodedStream:
@@ -47,7 +133,7 @@ class DecodedStream:
     async def __anext__(self) -> Any:
         data = await anext(self._raw)
         self.last_size = len(data)
-        return decode(self._cls, data)
+        return decode_cut(self._cls, data) if self._cut else decode(self._cls, data)
 
 
 def wire_size(stream: AsyncIterator[Any], message: Message) -> int:

@@ -203,6 +203,11 @@ class StreamFacts:
 ChunkSink = Callable[[int, EncodedChunk, StreamFacts], None]  # (seq, chunk, its stream's facts)
 
 
+def without_payload(chunk: EncodedChunk) -> EncodedChunk:
+    """``chunk``'s place, its bytes dropped: what a pull keeps of a chunk its sink took."""
+    return EncodedChunk(chunk.start, chunk.numel, b"")
+
+
 @dataclass(frozen=True, slots=True)
 class PulledPart:
     """What one puller received of an update or full state: its share of the chunks (opened,
@@ -211,7 +216,7 @@ class PulledPart:
     is_full_state: bool
     codec: str
     total_chunks: int
-    chunks: dict[int, EncodedChunk]  # by sequence number
+    chunks: dict[int, EncodedChunk]  # by sequence number; payloads empty if the sink took them
     round: int  # the round the update closes, or the round of the full state
     next_round: int
     state_hash: str
@@ -514,6 +519,7 @@ class OuterSyncClient:
         parts: int = 1,
         fragment: int = 0,
         on_chunk: ChunkSink | None = None,
+        keep_payloads: bool = True,
     ) -> PulledPart:
         """This puller's share of the update closing ``round_`` (waits for its commit), or of the
         full current state: the chunks with ``seq % parts == part``, opened but not decoded.
@@ -521,7 +527,16 @@ class OuterSyncClient:
         ``on_chunk(seq, chunk, facts)`` is called with each chunk as it arrives, on this thread,
         so that decoding overlaps the chunks still on the wire. A retried stream calls it again
         for the chunks it brings again, possibly under other facts (an update no longer kept
-        comes back as the full state): key what it does by facts and ``seq``."""
+        comes back as the full state): key what it does by facts and ``seq``.
+
+        ``keep_payloads=False`` (with ``on_chunk``): the sink is the payloads' only reader, and
+        the returned chunks keep their elements but not their bytes. Each payload is freed once
+        the sink has it, instead of a share of the model held until the pull ends; freeing them
+        all at once then gives the pages back to the kernel, and the next pull's buffers take
+        fresh ones, which the kernel must zero (a third of a 500M-parameter synthetic site's
+        pull CPU, ``benchmarks/scale.py``)."""
+        if not keep_payloads and on_chunk is None:
+            raise ValueError("keep_payloads=False needs an on_chunk sink: nothing would read the payloads")
         kind = outer_sync_pb2.PullRequest.FULL_STATE if full_state else outer_sync_pb2.PullRequest.UPDATE
         request = outer_sync_pb2.PullRequest(
             run_id=self.run_id,
@@ -557,7 +572,7 @@ class OuterSyncClient:
                 if msg.header.numel == 0:
                     continue  # no chunk for this puller: only the stream's facts
                 payload = msg.payload if self.keys is None else open_update(self.keys.down, msg)
-                chunks[msg.header.seq] = EncodedChunk(msg.header.start, msg.header.numel, payload)
+                chunk = EncodedChunk(msg.header.start, msg.header.numel, payload)
                 if on_chunk is not None:
                     facts = StreamFacts(
                         msg.kind == outer_sync_pb2.PullRequest.FULL_STATE,
@@ -565,7 +580,8 @@ class OuterSyncClient:
                         msg.header.round,
                         msg.state_hash,
                     )
-                    on_chunk(msg.header.seq, chunks[msg.header.seq], facts)
+                    on_chunk(msg.header.seq, chunk, facts)
+                chunks[msg.header.seq] = chunk if keep_payloads else without_payload(chunk)
             if shown is not None:
                 shown.close()
             if last is None:

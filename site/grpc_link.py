@@ -156,6 +156,7 @@ class GrpcLink:
         parts: int,
         timeout_s: float,
         on_chunk: ChunkSink | None = None,
+        keep_payloads: bool = True,
     ) -> PulledPart:
         """Puller ``part`` of ``parts``: on each of its streams ``k``, sub-share
         ``part * streams + k`` of ``parts * streams``, merged; pulled again where a commit fell
@@ -171,6 +172,7 @@ class GrpcLink:
                 parts=parts * n,
                 fragment=fragment,
                 on_chunk=on_chunk,
+                keep_payloads=keep_payloads,
             )
 
         for _ in range(AGREED_PULLS):

@@ -131,10 +131,11 @@ class Link(Protocol):
         parts: int,
         timeout_s: float,
         on_chunk: ChunkSink | None = None,
+        keep_payloads: bool = True,
     ) -> PulledPart:
         """This puller's share of the update closing the fragment's ``round_`` (waits for its
-        commit), or of the fragment's current full state; ``on_chunk`` as in
-        :meth:`OuterSyncClient.pull`."""
+        commit), or of the fragment's current full state; ``on_chunk`` and ``keep_payloads`` as
+        in :meth:`OuterSyncClient.pull`."""
         ...
 
     def report(

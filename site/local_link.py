@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -28,7 +29,7 @@ from geodiloco.coordinator.errors import (
 from geodiloco.coordinator.fragments import FragmentedController
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.fragments import FragmentPlan
-from geodiloco.site.client import ChunkSink, JoinInfo, PulledPart, WireChunk, wire_chunk
+from geodiloco.site.client import ChunkSink, JoinInfo, PulledPart, WireChunk, wire_chunk, without_payload
 from geodiloco.site.link import FragmentState, Joined, Late, LinkError, PushAgain, Resync
 from geodiloco.workload.data import DataRange
 
@@ -246,8 +247,13 @@ class LocalLink:
         parts: int,
         timeout_s: float,
         on_chunk: ChunkSink | None = None,
+        keep_payloads: bool = True,
     ) -> PulledPart:
-        """As over gRPC; ``on_chunk`` sees the chunks once the whole share is here (no wire)."""
+        """As over gRPC; ``on_chunk`` sees the chunks once the whole share is here (no wire).
+        The payloads are the coordinator's own: ``keep_payloads=False`` drops them from the
+        returned share only so that both links return the same."""
+        if not keep_payloads and on_chunk is None:
+            raise ValueError("keep_payloads=False needs an on_chunk sink: nothing would read the payloads")
         c = self._fragment(fragment)
 
         async def pull() -> PulledPart:
@@ -287,6 +293,9 @@ class LocalLink:
         if on_chunk is not None:
             for seq, chunk in pulled.chunks.items():
                 on_chunk(seq, chunk, pulled.stream)
+        if not keep_payloads:
+            kept = {seq: without_payload(chunk) for seq, chunk in pulled.chunks.items()}
+            pulled = dataclasses.replace(pulled, chunks=kept)
         return pulled
 
     def report(

@@ -470,7 +470,8 @@ class FragmentSync:
 
     def pull(self, round_: int, full_state: bool) -> PulledPart:
         """This rank's share of the stream; on a site of one rank, already applied to the
-        snapshot (:mod:`.pull_apply`) when it returns, and :meth:`apply` only checks it."""
+        snapshot (:mod:`.pull_apply`) when it returns, and :meth:`apply` only checks it: the
+        payloads are not kept past their chunk's application."""
         if self.group.world == 1 and self.as_pulled is None:
             self.as_pulled = ApplyAsPulled(self.shards, lambda: self.snapshot)
         return self.link.pull(
@@ -481,6 +482,7 @@ class FragmentSync:
             parts=self.group.world,
             timeout_s=self.owner.pull_timeout_s,
             on_chunk=self.as_pulled,
+            keep_payloads=self.as_pulled is None,
         )
 
     def agreed_pull(self, full_state: bool, round_: int | None = None) -> PulledPart:

@@ -229,3 +229,29 @@ def test_a_pull_hands_each_chunk_over_as_it_arrives() -> None:
         assert facts == {pulled.stream} and not pulled.is_full_state
         assert [s for s, _, _ in seen] == list(range(pulled.total_chunks))
         assert all(pulled.chunks[s].start == a and pulled.chunks[s].payload == p for s, a, p in seen)
+
+
+def test_a_pull_whose_sink_takes_the_payloads_keeps_only_their_places() -> None:
+    """``keep_payloads=False``: the sink gets every payload, the returned share none, and the
+    share's chunks still say which elements came (what a one-rank site checks coverage by)."""
+    cfg = tiny_config(min_sites=1, round_timeout_s=2.0, rounds=2, compression__chunk_elements=1000)
+    with CoordinatorThread(cfg) as c:
+        n = c.controller.num_params
+        client = OuterSyncClient(c.target, "site-a")
+        client.join()
+        chunks, _ = encode_chunks(parse_pipeline("q8|zstd:3"), torch.randn(n) * 1e-2, 1000, round_=0)
+        client.push(0, "q8|zstd:3", chunks, tokens=64)
+        kept = client.pull(0)
+        taken: dict[int, bytes] = {}
+        pulled = client.pull(
+            0, on_chunk=lambda s, ch, _: taken.setdefault(s, ch.payload), keep_payloads=False
+        )
+        assert pulled.total_chunks == len(kept.chunks) > 1
+        assert taken == {s: ch.payload for s, ch in kept.chunks.items()}
+        assert all(len(ch.payload) > 0 for ch in kept.chunks.values())
+        assert {s: (ch.start, ch.numel) for s, ch in pulled.chunks.items()} == {
+            s: (ch.start, ch.numel) for s, ch in kept.chunks.items()
+        }
+        assert all(ch.payload == b"" for ch in pulled.chunks.values())
+        with pytest.raises(ValueError, match="needs an on_chunk sink"):
+            client.pull(0, keep_payloads=False)
