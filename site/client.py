@@ -533,8 +533,8 @@ class OuterSyncClient:
         the returned chunks keep their elements but not their bytes. Each payload is freed once
         the sink has it, instead of a share of the model held until the pull ends; freeing them
         all at once then gives the pages back to the kernel, and the next pull's buffers take
-        fresh ones, which the kernel must zero (a third of a 500M-parameter synthetic site's
-        pull CPU, ``benchmarks/scale.py``)."""
+        fresh ones, which the kernel must zero (7% of a synthetic site's CPU time at 500M
+        parameters, ``benchmarks/scale.py`` under ``perf record -a``)."""
         if not keep_payloads and on_chunk is None:
             raise ValueError("keep_payloads=False needs an on_chunk sink: nothing would read the payloads")
         kind = outer_sync_pb2.PullRequest.FULL_STATE if full_state else outer_sync_pb2.PullRequest.UPDATE
