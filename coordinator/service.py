@@ -41,11 +41,11 @@ from geodiloco.coordinator.intake import Intake, PartStream, StagedContribution
 from geodiloco.coordinator.journal import Journal
 from geodiloco.coordinator.metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController, SiteRecord
-from geodiloco.security.chunks import KeyMismatch, open_delta, seal_update
+from geodiloco.security.chunks import KeyMismatch, open_delta, sealed_update_payload
 from geodiloco.security.policy import Denied, ServerSecurity, is_admin, peer_identity, require_site
 from geodiloco.security.ratelimit import RateLimiter
 from geodiloco.security.sealing import Sealer, SealError
-from geodiloco.security.wire import MalformedRequest, wire_size
+from geodiloco.security.wire import MalformedRequest, encode_with, wire_size
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
 from geodiloco.wire import PUSHER_KEY, ranges_to_proto
 
@@ -91,32 +91,9 @@ async def _next_chunk(chunks: AsyncIterator[Any], timeout_s: float) -> Any:
         ) from None
 
 
-_PAYLOAD_TAG = bytes([outer_sync_pb2.UpdateChunk.PAYLOAD_FIELD_NUMBER << 3 | 2])  # length-delimited
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _with_payload(head: Any, payload: bytes) -> bytes:
-    """``head`` (an UpdateChunk without payload) encoded with ``payload`` appended as its field.
-    Parsers take fields in any order; the payload is copied once, where building the message,
-    measuring it and serializing it copied it three times, on the event loop."""
-    if not payload:
-        return head.SerializeToString()
-    return b"".join((head.SerializeToString(), _PAYLOAD_TAG, _varint(len(payload)), payload))
-
-
 def _sealed(sealer: Sealer, head: Any, payload: bytes) -> bytes:
     """``head`` with ``payload`` sealed for its receiver, encoded (a worker thread)."""
-    head.payload = payload
-    seal_update(sealer, head)
-    return head.SerializeToString()
+    return encode_with(head, sealed_update_payload(sealer, head, payload))
 
 
 class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
@@ -481,7 +458,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 if keys is not None:  # sealing a chunk is a pass over it: not on the event loop
                     message = await asyncio.to_thread(_sealed, keys.down, head, chunk.payload)
                 else:
-                    message = _with_payload(head, chunk.payload)
+                    message = encode_with(head, chunk.payload)
                 self.c.count_bytes(request.site, sent=len(message))
                 sent += len(message)
                 yield message

@@ -58,8 +58,15 @@ def _update_aad(msg: Any) -> bytes:
 
 
 def _seal(sealer: Sealer, msg: Any, aad_of: Any) -> None:
+    msg.payload = _sealed_payload(sealer, msg, msg.payload, aad_of)
+
+
+def _sealed_payload(sealer: Sealer, msg: Any, payload: bytes, aad_of: Any) -> bytes:
+    """``payload`` sealed for ``msg``, whose header gets the key id and nonce (the payload is
+    not part of the associated data, so it may travel outside the message until encoding)."""
     msg.header.key_id = sealer.key_id
-    msg.header.nonce, msg.payload = sealer.seal(msg.payload, aad_of(msg))
+    msg.header.nonce, sealed = sealer.seal(payload, aad_of(msg))
+    return sealed
 
 
 def _open(sealer: Sealer, msg: Any, aad_of: Any) -> bytes:
@@ -81,6 +88,17 @@ def _open(sealer: Sealer, msg: Any, aad_of: Any) -> bytes:
 def seal_delta(sealer: Sealer, msg: Any) -> None:
     """Seal a DeltaChunk's payload in place (sets nonce and key id)."""
     _seal(sealer, msg, _delta_aad)
+
+
+def sealed_delta_payload(sealer: Sealer, msg: Any, payload: bytes) -> bytes:
+    """:func:`seal_delta` of a DeltaChunk without its payload: sets its nonce and key id and
+    returns the sealed ``payload``."""
+    return _sealed_payload(sealer, msg, payload, _delta_aad)
+
+
+def sealed_update_payload(sealer: Sealer, msg: Any, payload: bytes) -> bytes:
+    """:func:`sealed_delta_payload` for an UpdateChunk."""
+    return _sealed_payload(sealer, msg, payload, _update_aad)
 
 
 def open_delta(sealer: Sealer, msg: Any) -> bytes:

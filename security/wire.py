@@ -52,6 +52,26 @@ class CutMessage:
         return getattr(self.message, name)
 
 
+def varint(n: int) -> bytes:
+    """``n`` (>= 0) as a protobuf varint."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def encode_with(head: Message, payload: bytes | memoryview, field: str = BULK_FIELD) -> bytes:
+    """``head`` (its bulk field unset) encoded with ``payload`` appended as that field. Parsers
+    take fields in any order; the payload is copied once, where setting the field, measuring
+    the message and serializing it copied it three times."""
+    if not payload:
+        return head.SerializeToString()
+    tag = varint(head.DESCRIPTOR.fields_by_name[field].number << 3 | 2)
+    return b"".join((head.SerializeToString(), tag, varint(len(payload)), payload))
+
+
 def _varint(data: bytes, at: int) -> tuple[int, int] | None:
     """The varint at ``data[at:]`` and the offset after it; None if it runs off the end."""
     value = shift = 0

@@ -30,10 +30,11 @@ import torch
 from geodiloco import __version__, faults
 from geodiloco.compression import CodecError, EncodedChunk, decode_chunks_into, parse_pipeline
 from geodiloco.progress import Progress
-from geodiloco.security.chunks import KeyMismatch, open_update, seal_delta
+from geodiloco.security.chunks import KeyMismatch, open_update, sealed_delta_payload
 from geodiloco.security.joinproof import join_proof
 from geodiloco.security.sealing import SiteKeys
 from geodiloco.security.tls import TlsFiles, open_channel
+from geodiloco.security.wire import decode_cut, encode_with
 from geodiloco.segment import Segment
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
 from geodiloco.wire import PUSHER_KEY, ranges_from_proto, ranges_to_proto
@@ -75,6 +76,9 @@ CHANNEL_OPTIONS = [
     ("grpc.service_config", _RETRY_SERVICE_CONFIG),
 ]
 UNARY_TIMEOUT_S = 30.0
+_SERVICE = outer_sync_pb2.DESCRIPTOR.services_by_name["OuterSync"].full_name
+PUSH_METHOD = f"/{_SERVICE}/PushDelta"
+PULL_METHOD = f"/{_SERVICE}/PullUpdate"
 PATIENCE_S = 120.0  # until the run's own (round_timeout_s) is known
 RETRYABLE = (
     grpc.StatusCode.UNAVAILABLE,
@@ -98,6 +102,11 @@ def transient(exc: grpc.RpcError) -> bool:
 
 
 T = TypeVar("T")
+
+
+def _as_is(message: bytes) -> bytes:
+    """A request the client encoded itself."""
+    return message
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,10 +287,31 @@ def iter_delta_messages(
 ) -> Iterator[Any]:
     """:func:`delta_messages`, one message at a time: a sequence that encodes its chunks when
     they are taken is encoded chunk by chunk while the earlier ones are on the wire."""
+    for head, payload in iter_delta_parts(
+        run_id, site, round_, codec, chunks, tokens, data, part, parts, fragment
+    ):
+        head.payload = payload
+        yield head
+
+
+def iter_delta_parts(
+    run_id: str,
+    site: str,
+    round_: int,
+    codec: str,
+    chunks: Sequence[WireChunk | EncodedChunk],
+    tokens: int,
+    data: list[DataRange] | None = None,
+    part: int = 0,
+    parts: int = 1,
+    fragment: int = 0,
+) -> Iterator[tuple[Any, bytes]]:
+    """:func:`iter_delta_messages` as (message without its payload, payload): the client encodes
+    the two itself (:func:`~geodiloco.security.wire.encode_with`), copying the payload once."""
     total = len(chunks)
     for seq, item in enumerate(chunks):
         chunk = wire_chunk(item)
-        yield outer_sync_pb2.DeltaChunk(
+        head = outer_sync_pb2.DeltaChunk(
             header=outer_sync_pb2.ChunkHeader(
                 run_id=run_id,
                 round=round_,
@@ -294,13 +324,13 @@ def iter_delta_messages(
                 rows=chunk.segment.rows if chunk.segment.rows > 1 else 0,
                 stride=chunk.segment.stride if chunk.segment.rows > 1 else 0,
             ),
-            payload=chunk.payload,
             tokens=tokens,
             total_chunks=total,
             data=ranges_to_proto(data or []) if seq == 0 else [],
             part=part,
             parts=parts,
         )
+        yield head, chunk.payload
 
 
 class OuterSyncClient:
@@ -334,6 +364,15 @@ class OuterSyncClient:
         options = CHANNEL_OPTIONS + ([(CONNECTION_ARG, connection)] if connection else [])
         self.channel = open_channel(target, tls, options=options)
         self.stub = outer_sync_pb2_grpc.OuterSyncStub(self.channel)
+        # the bulk streams, encoded and decoded here rather than by the stub (see _update_chunk)
+        self._push_encoded = self.channel.stream_unary(
+            PUSH_METHOD, request_serializer=_as_is, response_deserializer=outer_sync_pb2.PushAck.FromString
+        )
+        self._pull_cut = self.channel.unary_stream(
+            PULL_METHOD,
+            request_serializer=outer_sync_pb2.PullRequest.SerializeToString,
+            response_deserializer=self._update_chunk,
+        )
         self.bytes_sent = 0
         self.bytes_received = 0
         self._lock = threading.Lock()
@@ -342,9 +381,21 @@ class OuterSyncClient:
         self.channel.close()
 
     def _count(self, sent: Any = None, received: Any = None) -> None:
+        self._count_bytes(
+            sent.ByteSize() if sent is not None else 0, received.ByteSize() if received is not None else 0
+        )
+
+    def _count_bytes(self, sent: int = 0, received: int = 0) -> None:
         with self._lock:
-            self.bytes_sent += sent.ByteSize() if sent is not None else 0
-            self.bytes_received += received.ByteSize() if received is not None else 0
+            self.bytes_sent += sent
+            self.bytes_received += received
+
+    def _update_chunk(self, data: bytes) -> Any:
+        """A pulled message, counted as it arrived and parsed with its payload left a view of
+        ``data`` (:func:`~geodiloco.security.wire.decode_cut`): neither re-encoded to measure it
+        nor its megabyte copied into the message and out again."""
+        self._count_bytes(received=len(data))
+        return decode_cut(outer_sync_pb2.UpdateChunk, data)
 
     def _unary(self, method: Callable[..., T], request: Any) -> T:
         self._count(sent=request)
@@ -486,23 +537,24 @@ class OuterSyncClient:
         if not chunks:
             raise ValueError("a push part needs at least one chunk")
 
-        def messages() -> Iterator[Any]:  # consumed by gRPC's sender thread: sealing overlaps sending
+        def messages() -> Iterator[bytes]:  # consumed by gRPC's sender thread: sealing overlaps sending
             sent = 0
-            for msg in iter_delta_messages(
+            for head, payload in iter_delta_parts(
                 self.run_id, self.site, round_, codec, chunks, tokens, data, part, parts, fragment
             ):
                 faults.at(self.site, self.rank, round_, sent, "push")  # tests: mid-push faults
                 if self.keys is not None:
-                    seal_delta(self.keys.up, msg)
-                self._count(sent=msg)
-                yield msg
+                    payload = sealed_delta_payload(self.keys.up, head, payload)
+                message = encode_with(head, payload)
+                self._count_bytes(sent=len(message))
+                yield message
                 sent += 1
             faults.at(self.site, self.rank, round_, sent, "push")  # all sent, not yet acknowledged
 
         def attempt() -> Any:
             # the site named up front: its lease is held from the stream's first byte, not from
             # its first whole chunk (one chunk can outlast a lease on a slow link)
-            ack = self.stub.PushDelta(
+            ack = self._push_encoded(
                 messages(), timeout=timeout_s, wait_for_ready=True, metadata=((PUSHER_KEY, self.site),)
             )
             self._count(received=ack)
@@ -553,10 +605,9 @@ class OuterSyncClient:
             chunks: dict[int, EncodedChunk] = {}
             last: Any = None
             shown: Progress | None = None
-            stream = self.stub.PullUpdate(request, timeout=timeout_s, wait_for_ready=True)
-            for received, msg in enumerate(stream):
+            stream = self._pull_cut(request, timeout=timeout_s, wait_for_ready=True)
+            for received, msg in enumerate(stream):  # counted as they arrive (_update_chunk)
                 faults.at(self.site, self.rank, round_, received, "pull")  # tests: mid-pull faults
-                self._count(received=msg)
                 if full_state and shown is None:  # ops: a full state can be large
                     mine = -(-msg.total_chunks // max(parts, 1))
                     shown = Progress(f"state transfer of round {msg.next_round}", max(1, mine))
@@ -571,7 +622,7 @@ class OuterSyncClient:
                 last = msg
                 if msg.header.numel == 0:
                     continue  # no chunk for this puller: only the stream's facts
-                payload = msg.payload if self.keys is None else open_update(self.keys.down, msg)
+                payload = bytes(msg.payload) if self.keys is None else open_update(self.keys.down, msg)
                 chunk = EncodedChunk(msg.header.start, msg.header.numel, payload)
                 if on_chunk is not None:
                     facts = StreamFacts(
