@@ -27,7 +27,11 @@ Per case, over the measured rounds (the first is left out):
   round-log line; no snapshot falls in the measured rounds), next to ``update_bytes``;
 - ``restart_to_serving_s``: SIGKILL after the last round, restart, until a Join is served
   (the restart loads the snapshot of θ_0 written when the run began and replays every round);
-- ``lease_expiries``: from the coordinator's journal (must be 0).
+- ``lease_expiries``: from the coordinator's journal (must be 0);
+- ``coordinator_cpu_s_per_round`` and ``site_cpu_s_per_round``: CPU seconds (every thread) per
+  measured round, of the coordinator (``/proc`` sampled by the probe) and of a site (the mean of
+  the sites' medians): on these shared cores they tell where the round's time goes, and they
+  move less from run to run than the round's length.
 """
 
 from __future__ import annotations
@@ -169,6 +173,7 @@ def site_main(args: argparse.Namespace) -> None:
     rows = []
     for r in range(args.rounds):
         t0, sent, received = time.time(), client.bytes_sent, client.bytes_received
+        cpu = time.process_time()
         client.push(r, CODEC, SeededDelta(args.params[0], base, r), tokens=1000, timeout_s=3600)
         t_pushed = time.time()
         parts.clear()
@@ -190,6 +195,7 @@ def site_main(args: argparse.Namespace) -> None:
                 "t_pushed": t_pushed,
                 "t_pulled": t_pulled,
                 "t1": time.time(),
+                "cpu_s": time.process_time() - cpu,  # every thread of this site's process
                 "sent": client.bytes_sent - sent,
                 "received": client.bytes_received - received,
             }
@@ -320,6 +326,18 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid``, every thread (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_between(samples: list[tuple[float, float]], start: float, end: float) -> float:
+    """CPU seconds spent between two moments, from the samples nearest them."""
+    at = lambda t: min(samples, key=lambda s: abs(s[0] - t))[1]  # noqa: E731
+    return at(end) - at(start)
+
+
 class Probe(threading.Thread):
     """Heartbeat every 50 ms as site-0; records each round trip the coordinator answered.
 
@@ -328,16 +346,20 @@ class Probe(threading.Thread):
     never reached the server are left out.
     """
 
-    def __init__(self, target: str, run_id: str) -> None:
+    def __init__(self, target: str, run_id: str, coordinator_pid: int) -> None:
         super().__init__(daemon=True)
         self.client = OuterSyncClient(target, "site-0")
         self.client.run_id = run_id
+        self.pid = coordinator_pid
         self.samples: list[tuple[float, float]] = []
+        self.cpu: list[tuple[float, float]] = []  # (when, the coordinator's CPU seconds so far)
         self.unanswered: collections.Counter[str] = collections.Counter()
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(PROBE_S):
+            with contextlib.suppress(OSError):  # the coordinator gone
+                self.cpu.append((time.time(), cpu_seconds(self.pid)))
             began = time.time()
             try:
                 self.client.heartbeat(0)
@@ -356,7 +378,7 @@ def run_case(params: int, sites: int, rounds: int, workdir: Path) -> dict[str, A
     coordinator, target = start_coordinator(config, run_dir, workdir, "coordinator.log")
     startup_rss = peak_rss(coordinator.pid)
     reset_peak_rss(coordinator.pid)
-    probe = Probe(target, cfg.run_id)
+    probe = Probe(target, cfg.run_id, coordinator.pid)
     probe.start()
     outs = [workdir / f"site-{i}.json" for i in range(sites)]
     procs = []
@@ -414,6 +436,15 @@ def run_case(params: int, sites: int, rounds: int, workdir: Path) -> dict[str, A
         "model_fp32_bytes": 4 * params,
         "lease_expiries": sum('"lease_expired"' in e for e in events),
         "rounds": rounds,
+        # CPU per measured round: the coordinator's (all threads) and the mean of each site's median
+        "coordinator_cpu_s_per_round": round(
+            cpu_between(probe.cpu, ends[0], ends[-1]) / max(len(periods), 1), 3
+        )
+        if probe.cpu
+        else None,
+        "site_cpu_s_per_round": round(
+            statistics.mean(statistics.median(r["cpu_s"] for r in site[1:] or site) for site in per_site), 3
+        ),
     }
 
 

@@ -38,4 +38,5 @@ def test_scale_smoke_writes_every_key_and_a_plot(tmp_path: Path) -> None:
     assert 0 < row["serving_peak_rss_bytes"] <= row["coordinator_peak_rss_bytes"]
     assert row["disk_bytes_per_round"] <= 2 * row["update_bytes"]  # between snapshots: the update only
     assert row["lease_expiries"] == 0
+    assert row["site_cpu_s_per_round"] > 0 and row["coordinator_cpu_s_per_round"] >= 0
     assert out.with_suffix(".png").stat().st_size > 0
