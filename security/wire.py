@@ -39,9 +39,9 @@ class CutMessage:
     """A message parsed without its bulk bytes field, which stays a view of the received bytes
     (:attr:`payload`, the field's value); every other field reads through to :attr:`message`.
 
-    Parsing a push chunk whole copied its payload into the message, and each read of
-    ``payload`` copied it out again: three copies of every pushed byte on the coordinator, the
-    first on its event loop (``benchmarks/scale.py``)."""
+    Parsing a push chunk whole copied its payload into the message, and each of the two reads
+    of ``payload`` copied it out again: three copies of every pushed byte on the coordinator,
+    two of them on its event loop."""
 
     __slots__ = ("message", "payload")
 
@@ -72,7 +72,7 @@ def encode_with(head: Message, payload: bytes | memoryview, field: str = BULK_FI
     return b"".join((head.SerializeToString(), tag, varint(len(payload)), payload))
 
 
-def _varint(data: bytes, at: int) -> tuple[int, int] | None:
+def _read_varint(data: bytes, at: int) -> tuple[int, int] | None:
     """The varint at ``data[at:]`` and the offset after it; None if it runs off the end."""
     value = shift = 0
     while at < len(data) and shift < 64:
@@ -96,20 +96,20 @@ def cut_field(data: bytes, number: int) -> tuple[bytes, memoryview] | None:
     at, end = 0, len(data)
     while at < end:
         start = at
-        key = _varint(data, at)
+        key = _read_varint(data, at)
         if key is None:
             return None
         tag, at = key
         wire = tag & 7
         if wire == 0:
-            skipped = _varint(data, at)
+            skipped = _read_varint(data, at)
             if skipped is None:
                 return None
             at = skipped[1]
         elif wire in (1, 5):
             at += 8 if wire == 1 else 4
         elif wire == 2:
-            length = _varint(data, at)
+            length = _read_varint(data, at)
             if length is None:
                 return None
             at = length[1] + length[0]

@@ -392,8 +392,8 @@ class OuterSyncClient:
 
     def _update_chunk(self, data: bytes) -> Any:
         """A pulled message, counted as it arrived and parsed with its payload left a view of
-        ``data`` (:func:`~geodiloco.security.wire.decode_cut`): neither re-encoded to measure it
-        nor its megabyte copied into the message and out again."""
+        ``data`` (:func:`~geodiloco.security.wire.decode_cut`): not re-encoded to measure it, and
+        its payload copied once (out of ``data``) instead of into the message and out again."""
         self._count_bytes(received=len(data))
         return decode_cut(outer_sync_pb2.UpdateChunk, data)
 
