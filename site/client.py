@@ -270,28 +270,13 @@ def delta_messages(
 ) -> list[Any]:
     """The PushDelta stream of one part (one rank's owned elements) of a round's pseudo-gradient;
     plain encoded chunks are contiguous ranges."""
-    return list(iter_delta_messages(run_id, site, round_, codec, chunks, tokens, data, part, parts, fragment))
-
-
-def iter_delta_messages(
-    run_id: str,
-    site: str,
-    round_: int,
-    codec: str,
-    chunks: Sequence[WireChunk | EncodedChunk],
-    tokens: int,
-    data: list[DataRange] | None = None,
-    part: int = 0,
-    parts: int = 1,
-    fragment: int = 0,
-) -> Iterator[Any]:
-    """:func:`delta_messages`, one message at a time: a sequence that encodes its chunks when
-    they are taken is encoded chunk by chunk while the earlier ones are on the wire."""
+    messages = []
     for head, payload in iter_delta_parts(
         run_id, site, round_, codec, chunks, tokens, data, part, parts, fragment
     ):
         head.payload = payload
-        yield head
+        messages.append(head)
+    return messages
 
 
 def iter_delta_parts(
@@ -306,8 +291,10 @@ def iter_delta_parts(
     parts: int = 1,
     fragment: int = 0,
 ) -> Iterator[tuple[Any, bytes]]:
-    """:func:`iter_delta_messages` as (message without its payload, payload): the client encodes
-    the two itself (:func:`~geodiloco.security.wire.encode_with`), copying the payload once."""
+    """:func:`delta_messages` one at a time, as (message without its payload, payload): the
+    client encodes the two itself (:func:`~geodiloco.security.wire.encode_with`), copying the
+    payload once; a sequence that encodes its chunks when they are taken is encoded chunk by
+    chunk while the earlier ones are on the wire."""
     total = len(chunks)
     for seq, item in enumerate(chunks):
         chunk = wire_chunk(item)

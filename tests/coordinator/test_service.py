@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -208,8 +210,10 @@ def test_sealed_chunk_to_an_insecure_run_is_named(
     assert not stub.PushDelta(iter(msgs), timeout=10).duplicate  # the clean push still goes in
 
 
-def test_a_pull_hands_each_chunk_over_as_it_arrives() -> None:
-    """``on_chunk`` sees every chunk of the stream, in order, before the pull returns."""
+@contextlib.contextmanager
+def one_committed_round() -> Iterator[tuple[OuterSyncClient, int]]:
+    """A one-site run whose round 0 committed (chunks of 1000 elements), its site's client and
+    the model's size."""
     cfg = tiny_config(min_sites=1, round_timeout_s=2.0, rounds=2, compression__chunk_elements=1000)
     with CoordinatorThread(cfg) as c:
         n = c.controller.num_params
@@ -217,6 +221,12 @@ def test_a_pull_hands_each_chunk_over_as_it_arrives() -> None:
         client.join()
         chunks, _ = encode_chunks(parse_pipeline("q8|zstd:3"), torch.randn(n) * 1e-2, 1000, round_=0)
         client.push(0, "q8|zstd:3", chunks, tokens=64)
+        yield client, n
+
+
+def test_a_pull_hands_each_chunk_over_as_it_arrives() -> None:
+    """``on_chunk`` sees every chunk of the stream, in order, before the pull returns."""
+    with one_committed_round() as (client, n):
         seen: list[tuple[int, int, bytes]] = []
         facts: set[StreamFacts] = set()
 
@@ -234,13 +244,7 @@ def test_a_pull_hands_each_chunk_over_as_it_arrives() -> None:
 def test_a_pull_whose_sink_takes_the_payloads_keeps_only_their_places() -> None:
     """``keep_payloads=False``: the sink gets every payload, the returned share none, and the
     share's chunks still say which elements came (what a one-rank site checks coverage by)."""
-    cfg = tiny_config(min_sites=1, round_timeout_s=2.0, rounds=2, compression__chunk_elements=1000)
-    with CoordinatorThread(cfg) as c:
-        n = c.controller.num_params
-        client = OuterSyncClient(c.target, "site-a")
-        client.join()
-        chunks, _ = encode_chunks(parse_pipeline("q8|zstd:3"), torch.randn(n) * 1e-2, 1000, round_=0)
-        client.push(0, "q8|zstd:3", chunks, tokens=64)
+    with one_committed_round() as (client, _):
         kept = client.pull(0)
         taken: dict[int, bytes] = {}
         pulled = client.pull(
