@@ -57,9 +57,9 @@ import grpc
 import torch
 from torch import nn
 
-from geodiloco.compression import EncodedChunk, parse_pipeline
+from geodiloco.compression import EncodedChunk, Place, parse_pipeline
 from geodiloco.config import RunConfig
-from geodiloco.params import Checksum
+from geodiloco.params import Checksum, add_encoded_and_hash
 from geodiloco.segment import Segment
 from geodiloco.site.client import Heartbeater, LazyChunks, OuterSyncClient, StreamFacts, WireChunk
 from geodiloco.site.pages import keep_freed_pages
@@ -160,15 +160,16 @@ def site_main(args: argparse.Namespace) -> None:
     beat.start()
     gen = torch.Generator().manual_seed(int(args.site.rpartition("-")[2]))
     base = torch.randn(CHUNK, generator=gen)
-    scratch = torch.empty(CHUNK)
+    scratch = torch.zeros(CHUNK)
     codec = parse_pipeline(CODEC)
     parts: dict[int, Checksum] = {}  # a round's pulled chunks, hashed by sequence number
 
-    def apply(seq: int, chunk: EncodedChunk, facts: StreamFacts) -> None:  # decode, add, hash, as a site does
-        piece = scratch[: chunk.numel]
-        piece.copy_(codec.decode(chunk.payload, chunk.numel))
-        parts[seq] = Checksum()
-        parts[seq].add_range(chunk.start, piece)
+    def apply(seq: int, chunk: EncodedChunk, facts: StreamFacts) -> None:
+        # added from its codes and hashed in one pass, as a one-rank site does (ShardMap.add_encoded_range),
+        # into a scratch span: the synthetic site holds no θ
+        place = Place.span(facts.round, chunk.start, chunk.numel)
+        raw = codec.unpack(chunk.payload, chunk.numel, place)
+        parts[seq], _ = add_encoded_and_hash(codec, raw, place, scratch[: chunk.numel])
 
     rows = []
     for r in range(args.rounds):

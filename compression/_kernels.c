@@ -289,7 +289,7 @@ static void add_hash_span(float *theta, const float *decoded, float *residual, P
 /* add_hash_span with decoded = the q8 values of (step, codes): each tile of codes is decoded as
  * dequantize_blocks does into a buffer that stays in cache, then added, so the update's fp32
  * values never cross memory. The same θ, residual, sums and Σ θ² as dequantize_q8 followed by
- * add_and_hash. 1 when every code is on the grid, 0 (θ partly updated) when one is -128. */
+ * add_and_hash. 1 when every code is on the grid, 0 (nothing written) when one is -128. */
 WIDEST_SIMD
 static int apply_q8_span(float *theta, const float *step, const int8_t *codes, Py_ssize_t block, float *residual,
                          Py_ssize_t n, uint64_t first, double *sumsq, uint64_t *low, uint64_t *high)
@@ -298,19 +298,19 @@ static int apply_q8_span(float *theta, const float *step, const int8_t *codes, P
     double lanes[SQUARE_LANES] = {0};
     int8_t least = 0;
     *low = *high = 0;
+    for (Py_ssize_t k = 0; k < n; k++) /* all codes first: a refused chunk writes nothing */
+        least = codes[k] < least ? codes[k] : least;
+    if (least == -128)
+        return 0;
     for (Py_ssize_t at = 0; at < n; at += APPLY_TILE) {
         Py_ssize_t m = n - at < APPLY_TILE ? n - at : APPLY_TILE;
         for (Py_ssize_t i = at; i < at + m;) { /* the tile's pieces of blocks */
             Py_ssize_t b = i / block, end = (b + 1) * block < at + m ? (b + 1) * block : at + m;
             float s = step[b];
-            for (Py_ssize_t k = i; k < end; k++) {
-                least = codes[k] < least ? codes[k] : least;
+            for (Py_ssize_t k = i; k < end; k++)
                 tile[k - at] = (float)codes[k] * s;
-            }
             i = end;
         }
-        if (least == -128)
-            return 0;
         if (residual)
             add_hash_run(theta + at, tile, residual + at, m, first + (uint64_t)at, lanes, low, high);
         else
@@ -631,7 +631,7 @@ PyDoc_STRVAR(apply_q8_doc,
              "apply_q8(theta, steps, codes, block, residual, first) -> (sumsq, low, high) | None\n\n"
              "add_and_hash(theta, dequantize_q8(steps, codes, block), residual, first) in one pass,\n"
              "the decoded values never written out: the same theta, residual and results. None, with\n"
-             "theta and residual partly updated, when a code is -128.");
+             "nothing written, when a code is -128.");
 
 static PyObject *apply_q8(PyObject *self, PyObject *args)
 {

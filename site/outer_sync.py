@@ -248,10 +248,10 @@ class FragmentSync:
             pulled, outcome = self.owner.call(functools.partial(self.pull, round_, False))
         chunks.finish()
         if pulled is not None and self.group.world == 1:
-            _, outcome = self.owner.call(lambda: self.apply(pulled))
+            digest, outcome = self.owner.call(lambda: self.apply(pulled))
             if outcome is not Outcome.OK:  # the snapshot may be half updated: take the full state
                 return None, Outcome.RESYNC, None
-            digest = self.digest(self.snapshot)
+            digest = digest or self.digest(self.snapshot)
         return pulled, outcome, digest
 
     def land(self) -> None:
@@ -288,7 +288,7 @@ class FragmentSync:
         ``caught_up``: the exchange already brought the snapshot to a later round; ``decoded``:
         the sender already applied the update, and this is the snapshot's hash."""
         if not caught_up and decoded is None:
-            self.apply(pulled)
+            decoded = self.apply(pulled)
         digest = decoded if decoded is not None else self.digest(self.snapshot)
         if self.group.rank == 0 and digest != pulled.state_hash:
             log.error(
@@ -499,12 +499,14 @@ class FragmentSync:
         raise RuntimeError("the run's state kept changing while the site pulled it")
 
     @torch.no_grad()
-    def apply(self, pulled: PulledPart) -> None:
+    def apply(self, pulled: PulledPart) -> str | None:
         """Decode every chunk on the ranks that hold its elements: snapshot += update (or = state).
-        A single rank's pull was applied as it arrived: only its coverage is checked."""
+        A single rank's pull was applied as it arrived: only its coverage is checked, and the new
+        snapshot's state hash, taken as the update's chunks were added, is returned (else None)."""
         as_pulled, self.as_pulled = self.as_pulled, None
+        digest = None
         if as_pulled is not None and as_pulled.covers(pulled):
-            written = as_pulled.written
+            written, digest = as_pulled.written, as_pulled.digest(pulled)
         elif as_pulled is not None and as_pulled.touched:
             raise TornSnapshot(f"the snapshot holds part of another stream than round {pulled.round}'s")
         else:
@@ -513,6 +515,7 @@ class FragmentSync:
             raise RuntimeError(
                 f"the pulled chunks covered {written} of this rank's {self.shards.local_numel} elements"
             )
+        return digest
 
     def _decode_shared(self, pulled: PulledPart) -> int:
         """Each chunk shared by the rank that pulled it and applied where its elements are;
@@ -538,7 +541,11 @@ def _digest(shards: ShardMap, group: SiteGroup, tensors: list[torch.Tensor] | No
     checksum = Checksum()
     for owned, view in shards.owned_views(tensors):
         for offset, segment in owned.segment.split_rows(HASH_BLOCK):
-            checksum.add(segment.positions(), subview(view, owned.segment, offset, segment))
+            values = subview(view, owned.segment, offset, segment)
+            if segment.contiguous:  # one run of the canonical vector: the C kernel's path
+                checksum.add_range(segment.start, values)
+            else:
+                checksum.add(segment.positions(), values)
     total = Checksum()
     for low, high, count in group.gather((checksum.low, checksum.high, checksum.count)):
         total = total.merge(Checksum(low, high, count))

@@ -10,6 +10,10 @@ same committed update again; committed updates are durable, so a restarted coord
 the same bytes). A full state replaces every element, so it may follow a partly applied update;
 an update after a partly applied other stream cannot be made right and is refused. A link of
 several streams calls the sink from each stream's thread: one chunk is applied at a time.
+
+An update's chunk is hashed as it is added (:meth:`ShardMap.add_encoded_range`), so the state
+hash of the new snapshot is the sum of its chunks' checksums (:meth:`ApplyAsPulled.digest`), not
+another pass over the model.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from geodiloco.compression import EncodedChunk, Pipeline, Place, parse_pipeline
+from geodiloco.params import Checksum
 from geodiloco.site.client import PulledPart, StreamFacts
 from geodiloco.site.shards import ShardMap
 
@@ -37,6 +42,7 @@ class ApplyAsPulled:
         self._facts: StreamFacts | None = None
         self._codec: Pipeline | None = None
         self._done: dict[int, tuple[int, int, int]] = {}  # seq -> start, numel, elements written
+        self._hashed: dict[int, Checksum | None] = {}  # seq -> what it wrote, hashed (None: not)
         self._lock = threading.Lock()
 
     @property
@@ -56,24 +62,46 @@ class ApplyAsPulled:
                     f"the snapshot holds part of round {self._facts.round if self._facts else '?'}'s "
                     f"stream; another update (round {facts.round}) cannot be added to it"
                 )
-            self._facts, self._codec, self._done = facts, parse_pipeline(facts.codec), {}
+            self._facts, self._codec, self._done, self._hashed = facts, parse_pipeline(facts.codec), {}, {}
         done = self._done.get(seq)
         if done is not None:
             if done[:2] != (chunk.start, chunk.numel):
                 raise TornSnapshot(f"chunk {seq} of round {facts.round} came again with other elements")
             return
         written = 0
+        hashed: Checksum | None = Checksum()  # none of its elements held here: nothing to hash
         if self._shards.holds(chunk.start, chunk.numel):
             assert self._codec is not None
             place = Place.span(facts.round, chunk.start, chunk.numel)
-            values = self._codec.decode(chunk.payload, chunk.numel, place)
-            add = not facts.is_full_state
-            written = self._shards.scatter_range(chunk.start, values, self._snapshot(), add=add)
+            if facts.is_full_state:
+                values = self._codec.decode(chunk.payload, chunk.numel, place)
+                written = self._shards.scatter_range(chunk.start, values, self._snapshot())
+                hashed = None
+            else:
+                written, hashed = self._shards.add_encoded_range(
+                    self._codec, chunk.payload, place, self._snapshot()
+                )
         self._done[seq] = (chunk.start, chunk.numel, written)
+        self._hashed[seq] = hashed
 
     def covers(self, pulled: PulledPart) -> bool:
         """Whether ``pulled`` is the stream applied here, every chunk of it."""
         return pulled.stream == self._facts and pulled.chunks.keys() <= self._done.keys()
+
+    def digest(self, pulled: PulledPart) -> str | None:
+        """The state hash of the snapshot once ``pulled`` (an update this sink applied whole) is in
+        it, from the checksums taken as its chunks were added; None when one was not taken (a
+        full state, a chunk in rows of a sharded matrix) or the sink does not hold the model
+        alone, which the caller then hashes as before."""
+        if not self.covers(pulled) or any(h is None for h in self._hashed.values()):
+            return None
+        if self._shards.owned_numel != self._shards.local_numel:
+            return None  # replicas share the hash: each adds only what it owns
+        total = Checksum()
+        for part in self._hashed.values():
+            assert part is not None
+            total = total.merge(part)
+        return total.hexdigest() if total.count == self._shards.local_numel else None
 
     @property
     def written(self) -> int:

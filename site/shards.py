@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from geodiloco.params import canonical_parameters
+from geodiloco.compression import Pipeline, Place
+from geodiloco.params import Checksum, add_and_hash, add_encoded_and_hash, canonical_parameters
 from geodiloco.segment import Segment
 
 PP_DIM = "pp"  # the mesh dim of pipeline stages: ranks along it hold different parameters
@@ -336,6 +337,42 @@ class ShardMap:
                 target.add_(block) if add else target.copy_(block)
                 written += (r1 - r0) * (c1 - c0)
         return written
+
+    def add_encoded_range(
+        self, codec: Pipeline, data: bytes | memoryview, place: Place, targets: list[torch.Tensor]
+    ) -> tuple[int, Checksum | None]:
+        """:meth:`scatter_range` ``add=True`` of the values ``codec`` encoded in ``data`` at
+        ``place``, hashing the new elements as they are written (the state hash then needs no
+        pass of its own): how many it wrote, and their checksum (None when a written block is
+        not one run of the canonical vector, e.g. rows of a sharded matrix). A chunk inside one
+        piece is added straight from its codes, its fp32 values never written out."""
+        start, numel = place.segment.start, place.segment.numel
+        raw = codec.unpack(data, numel, place)
+        blocks = [
+            (i, rows, cols, offset)
+            for i, piece in enumerate(self.pieces)
+            if piece.segment.numel and piece.segment.start < start + numel and piece.segment.end > start
+            for rows, cols, offset in _overlaps(piece.segment, start, start + numel)
+        ]
+        if len(blocks) == 1:
+            i, (r0, r1), (c0, c1), _ = blocks[0]
+            if r1 - r0 == 1 and c1 - c0 == numel:  # one run of one piece
+                checksum, _ = add_encoded_and_hash(codec, raw, place, targets[i][r0, c0:c1])
+                return numel, checksum
+        values = codec.decode_raw(raw, numel, place)
+        if targets and values.device != targets[0].device:  # decoded on the host, applied on the device
+            values = values.to(targets[0].device)
+        written, checksum, runs = 0, Checksum(), True
+        for i, (r0, r1), (c0, c1), (v0, v_stride) in blocks:
+            if r1 - r0 == 1:
+                part, _ = add_and_hash(targets[i][r0, c0:c1], values[v0 : v0 + c1 - c0], start + v0)
+                checksum = checksum.merge(part)
+            else:
+                block = values.as_strided((r1 - r0, c1 - c0), (v_stride, 1), values.storage_offset() + v0)
+                targets[i][r0:r1, c0:c1].add_(block)
+                runs = False
+            written += (r1 - r0) * (c1 - c0)
+        return written, checksum if runs else None
 
 
 def _overlaps(

@@ -194,3 +194,10 @@ def test_applying_refuses_a_code_off_the_grid_and_mismatched_sizes() -> None:
     with pytest.raises(ValueError, match="apply_q8"):
         quantize._kernels.apply_q8(torch.zeros(300).numpy(), steps[:2], codes, 128, None, 0)
     assert parse_pipeline("q4").apply_raw(raw, torch.zeros(300), 0) is None  # decodes instead
+    raw = pipeline.unpack(pipeline.encode(torch.randn(9000)), 9000)
+    raw[-1] = 0x80  # the last code, after two whole tiles: refused before any was added
+    theta = torch.randn(9000)
+    before = theta.clone()
+    with pytest.raises(CodecError, match="-128"):
+        pipeline.apply_raw(raw, theta, 0)
+    assert torch.equal(theta, before)

@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from geodiloco.compression import EncodedChunk, Place, encode_chunks, parse_pipeline
+from geodiloco.compression import EncodedChunk, Place, encode_chunks, envelope, parse_pipeline
+from geodiloco.compression.errors import CodecError
+from geodiloco.params import state_hash
 from geodiloco.site.client import PulledPart, StreamFacts
 from geodiloco.site.pull_apply import ApplyAsPulled, TornSnapshot
 from geodiloco.site.shards import ShardMap
@@ -55,6 +57,9 @@ def test_a_retried_stream_adds_each_chunk_once(device: str) -> None:
     assert sink.covers(pulled_part(chunks, facts)) and sink.written == shards.local_numel
     assert torch.equal(shards.gather_owned(snapshot).cpu(), base + values)
     assert {t.device.type for t in snapshot} == {device}
+    # hashed as it was added (chunks inside one parameter and across two): the state hash of
+    # the new snapshot, each chunk counted once whatever the retry brought again
+    assert sink.digest(pulled_part(chunks, facts)) == state_hash(base + values)
 
 
 def test_a_full_state_after_part_of_an_update_replaces_every_element() -> None:
@@ -69,6 +74,8 @@ def test_a_full_state_after_part_of_an_update_replaces_every_element() -> None:
     assert sink.covers(pulled_part(state, state_facts))
     assert not sink.covers(pulled_part(update, update_facts))
     assert torch.equal(shards.gather_owned(snapshot), values)
+    assert sink.digest(pulled_part(state, state_facts)) is None  # copied, not hashed: the caller hashes it
+    assert sink.digest(pulled_part(update, update_facts)) is None
 
 
 def test_another_update_on_a_partly_applied_one_is_refused() -> None:
@@ -83,4 +90,20 @@ def test_another_update_on_a_partly_applied_one_is_refused() -> None:
         sink(0, second[0], second_facts)
     with pytest.raises(TornSnapshot, match="other elements"):  # same seq, other elements: not the same stream
         sink(0, EncodedChunk(first[1].start, first[1].numel, first[1].payload), first_facts)
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot, strict=True))
+
+
+def test_a_chunk_with_a_code_off_the_grid_changes_nothing() -> None:
+    """Added from its codes, a refused chunk must not leave part of itself in the snapshot: the
+    retry that follows would add that part twice."""
+    shards = ShardMap(nn.Linear(100, 100, bias=False), 0, 1)
+    snapshot = shards.clone_locals()
+    q8 = parse_pipeline("q8")
+    chunk = encode_chunks(q8, torch.randn(shards.num_params) * 1e-2, 9000, round_=4)[0][0]  # 3 tiles
+    raw = q8.unpack(chunk.payload, chunk.numel).clone()
+    raw[-1] = 0x80  # the last code is -128: found only after the first tiles were decoded
+    bad = EncodedChunk(chunk.start, chunk.numel, envelope.seal(q8.tag, chunk.numel, raw.numpy().tobytes()))
+    before = [t.clone() for t in snapshot]
+    with pytest.raises(CodecError, match="-128"):
+        ApplyAsPulled(shards, lambda: snapshot)(0, bad, StreamFacts(False, "q8", 4, "hash"))
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot, strict=True))

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from geodiloco.params import flatten_parameters, state_hash
+from geodiloco.compression import Place, encode_chunks, parse_pipeline
+from geodiloco.params import Checksum, flatten_parameters, state_hash
 from geodiloco.segment import Segment
 from geodiloco.site.layout import ParallelConfig, build_mesh, parallelize
 from geodiloco.site.shards import ShardMap, subview
@@ -67,6 +68,29 @@ def test_scattering_the_canonical_vector_rebuilds_the_pieces() -> None:
     assert all(torch.equal(t, p.local) for t, p in zip(targets, shards.pieces, strict=True))
 
 
+def _added_as_pulled(shards: ShardMap) -> tuple[bool, bool | None]:
+    """An update's chunks added from their encoding (:meth:`ShardMap.add_encoded_range`): whether
+    the pieces then hold what decoding and scattering gives, and whether the checksums taken on
+    the way are those of the pieces' elements (None when a chunk fell in rows of a matrix)."""
+    codec = parse_pipeline("q8|zstd:1")
+    chunks, _ = encode_chunks(codec, torch.randn(shards.num_params) * 1e-2, 500, round_=2)
+    added = [torch.zeros_like(p.local) for p in shards.pieces]
+    expected = [torch.zeros_like(p.local) for p in shards.pieces]
+    checksum: Checksum | None = Checksum()
+    for c in chunks:
+        place = Place.span(2, c.start, c.numel)
+        _, part = shards.add_encoded_range(codec, c.payload, place, added)
+        shards.scatter_range(c.start, codec.decode(c.payload, c.numel, place), expected, add=True)
+        checksum = None if checksum is None or part is None else checksum.merge(part)
+    same = all(torch.equal(a, e) for a, e in zip(added, expected, strict=True))
+    if checksum is None:
+        return same, None
+    reference = Checksum()
+    for piece, values in zip(shards.pieces, expected, strict=True):
+        reference.add(piece.segment.positions(), values)
+    return same, checksum.hexdigest() == reference.hexdigest()
+
+
 def _rank_main(rank: int, world: int, port: int, layout: str, precision: str, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -83,6 +107,7 @@ def _rank_main(rank: int, world: int, port: int, layout: str, precision: str, ou
         written = sum(
             shards.scatter_range(a, flat[a : a + 500], targets) for a in range(0, flat.numel(), 500)
         )
+        added, hashed = _added_as_pulled(shards)
         out.put(
             {
                 "rank": rank,
@@ -92,6 +117,8 @@ def _rank_main(rank: int, world: int, port: int, layout: str, precision: str, ou
                 "rebuilt": written == shards.local_numel
                 and all(torch.equal(t, p.local) for t, p in zip(targets, shards.pieces, strict=True)),
                 "owned_values": shards.gather_owned().tolist(),
+                "added": added,
+                "hashed": hashed,
                 "hash": state_hash(flat),
                 "loss": float(loss),
             }
@@ -134,5 +161,8 @@ def test_each_layout_owns_every_element_exactly_once(layout: str, precision: str
     flat = flatten_parameters(build_model(MODEL, seed=0))
     for r in results:
         assert r["owned_values"] == flat[r["owned"]].tolist()
+        assert r["added"] and r["hashed"] is not False  # added as decoded; hashed right where hashed
+    if layout in ("ddp", "fsdp"):  # whole rows or whole parameters: every chunk is hashed as added
+        assert all(r["hashed"] for r in results)
     if layout != "ddp":  # sharded layouts hold less than the model on each rank
         assert all(r["local"] < n for r in results)
