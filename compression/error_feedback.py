@@ -29,11 +29,12 @@ class ErrorFeedback:
     def residual(self, value: torch.Tensor) -> None:
         self._residual = value
 
-    def compensate(self, value: torch.Tensor) -> torch.Tensor:
-        """The value to send this time: the new value plus (decayed) what earlier sends dropped."""
+    def compensate(self, value: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The value to send this time: the new value plus (decayed) what earlier sends dropped
+        (into ``out``, which may be ``value`` itself: no model-sized buffer of its own)."""
         if self.residual.device != value.device:  # the residual lives with the values (a GPU site's)
             self.residual = self.residual.to(value.device)
-        return torch.add(value, self.residual, alpha=self.decay)
+        return torch.add(value, self.residual, alpha=self.decay, out=out)
 
     def record(self, sent: torch.Tensor, decoded: torch.Tensor) -> None:
         """Keep what the receiver did not get."""

@@ -326,15 +326,18 @@ class FragmentSync:
     @torch.no_grad()
     def encode_delta(self) -> DeltaEncoding:
         """Δ = θ_r − θ on the owned elements, plus the error-feedback residual, to be compressed
-        chunk by chunk as the push stream takes it (see :class:`DeltaEncoding`)."""
-        delta = self.shards.gather_owned(self.snapshot)
+        chunk by chunk as the push stream takes it (see :class:`DeltaEncoding`). Two passes over
+        one new buffer: the difference written straight into it, then the residual added in
+        place (not a gathered copy of θ_r, and a second buffer for the sum)."""
+        to_send = torch.empty(self.shards.owned_numel, dtype=torch.float32, device=self.shards.device)
         at = 0
-        for owned, view in self.shards.owned_views():
+        for (owned, live), (_, base) in zip(
+            self.shards.owned_views(), self.shards.owned_views(self.snapshot), strict=True
+        ):
             n = owned.segment.numel
-            delta[at : at + n].view(view.shape).sub_(view)
+            torch.sub(base, live, out=to_send[at : at + n].view(live.shape))
             at += n
-        to_send = self.feedback.compensate(delta)
-        del delta
+        self.feedback.compensate(to_send, out=to_send)
         segments = list(self.shards.wire_segments(self.owner.config.compression.chunk_elements))
         return DeltaEncoding(self.owner.uplink, self.round, to_send, segments, self.feedback.residual)
 

@@ -15,7 +15,7 @@ from geodiloco.params import flatten_parameters, state_hash
 from geodiloco.site import OuterSync, OuterSyncClient
 from geodiloco.wan import LinkConfig, ProxyThread
 from geodiloco.workload import build_model
-from helpers import CoordinatorThread, free_port, tiny_config
+from helpers import CoordinatorThread, free_port, global_snapshot, tiny_config
 
 pytestmark = pytest.mark.integration
 
@@ -40,6 +40,22 @@ def train_site(target: str, name: str, results: dict[str, list[str]], params: di
             sync.report(1.0, 1, float(loss), 0.1)
     sync.close()
     results[name] = hashes
+
+
+def test_a_push_sends_the_snapshot_minus_the_parameters_plus_the_kept_residual() -> None:
+    cfg = tiny_config(rounds=1, compression__feedback_decay=0.5)
+    with CoordinatorThread(cfg) as coordinator:
+        sync = OuterSync.connect(coordinator.target, "site-a")
+        model = sync.attach(build_model(cfg.model, cfg.seed))
+        with torch.no_grad():
+            for p in model.parameters():  # as inner steps would
+                p.add_(torch.randn_like(p))
+        fragment = sync.fragments[0]
+        fragment.feedback.residual = torch.randn(fragment.shards.owned_numel)
+        change = global_snapshot(sync) - flatten_parameters(model)
+        expected = torch.add(change, fragment.feedback.residual, alpha=0.5)
+        assert torch.equal(fragment.encode_delta().to_send, expected)
+        sync.close()
 
 
 @pytest.mark.parametrize("overlap", [0, 1])
