@@ -533,6 +533,44 @@ static PyObject *checksum_range(PyObject *self, PyObject *args)
     return Py_BuildValue("(KK)", (unsigned long long)low, (unsigned long long)high);
 }
 
+PyDoc_STRVAR(checksum_rows_doc,
+             "checksum_rows(values, row_len, first, stride) -> (low, high)\n\n"
+             "checksum_range over each row of row_len elements of the fp32 buffer values (fewer than\n"
+             "2^32 elements), row r sitting at canonical index first + r * stride: the rows of a\n"
+             "shard of a matrix, hashed in one call.");
+
+static PyObject *checksum_rows(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    Py_ssize_t row_len;
+    unsigned long long first, stride;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "OnKK", &obj, &row_len, &first, &stride))
+        return NULL;
+    if (get_buffer(obj, &view, 0, "values") < 0)
+        return NULL;
+    Py_ssize_t n = view.len / (Py_ssize_t)sizeof(float);
+    if (view.len % (Py_ssize_t)sizeof(float) || (unsigned long long)n >= (1ull << 32) || row_len < 1 ||
+        n % row_len) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError,
+                        "checksum_rows: values must be fp32, fewer than 2^32 of them, whole rows of row_len >= 1");
+        return NULL;
+    }
+    uint64_t low = 0, high = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < n / row_len; r++) {
+        uint64_t lo, hi;
+        checksum_mix((const float *)view.buf + r * row_len, row_len, (uint64_t)first + (uint64_t)r * stride, &lo,
+                     &hi);
+        low += lo;
+        high += hi;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(KK)", (unsigned long long)low, (unsigned long long)high);
+}
+
 PyDoc_STRVAR(fold_q8_doc,
              "fold_q8(steps, codes, block, out, row_len, stride, weight, accumulate) -> bool\n\n"
              "out = weight * dequantize_q8(...) (out += ... when accumulate), the values laid in\n"
@@ -677,6 +715,7 @@ static PyMethodDef methods[] = {
     {"split_nibbles", split_nibbles_py, METH_VARARGS, split_nibbles_doc},
     {"join_nibbles", join_nibbles_py, METH_VARARGS, join_nibbles_doc},
     {"checksum_range", checksum_range, METH_VARARGS, checksum_range_doc},
+    {"checksum_rows", checksum_rows, METH_VARARGS, checksum_rows_doc},
     {"fold_q8", fold_q8, METH_VARARGS, fold_q8_doc},
     {"nesterov_send", nesterov_send, METH_VARARGS, nesterov_send_doc},
     {"add_and_hash", add_and_hash, METH_VARARGS, add_and_hash_doc},

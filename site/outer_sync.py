@@ -545,10 +545,10 @@ def _digest(shards: ShardMap, group: SiteGroup, tensors: list[torch.Tensor] | No
     for owned, view in shards.owned_views(tensors):
         for offset, segment in owned.segment.split_rows(HASH_BLOCK):
             values = subview(view, owned.segment, offset, segment)
-            if segment.contiguous:  # one run of the canonical vector: the C kernel's path
+            if segment.contiguous:  # one run of the canonical vector
                 checksum.add_range(segment.start, values)
-            else:
-                checksum.add(segment.positions(), values)
+            else:  # rows a stride apart
+                checksum.add_rows(segment.start, segment.stride, values)
     total = Checksum()
     for low, high, count in group.gather((checksum.low, checksum.high, checksum.count)):
         total = total.merge(Checksum(low, high, count))

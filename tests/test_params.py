@@ -32,6 +32,24 @@ def test_the_checksum_kernel_gives_the_numpy_paths_sums(monkeypatch: pytest.Monk
     assert (fast.low, fast.high, fast.count) == (slow.low, slow.high, slow.count)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("rows", "row_len", "stride"), [(1, 7, 7), (37, 11, 20), (300, 257, 1000)])
+def test_hashing_rows_a_stride_apart_equals_hashing_their_positions(
+    rows: int, row_len: int, stride: int, device: str
+) -> None:
+    """A shard of a matrix's columns hashed in one kernel call: the sums of its elements' canonical
+    positions, as every rank's digest must add them."""
+    values = torch.randn(rows, row_len, device=device)
+    values[0, 0] = float("nan")
+    by_rows, by_positions = Checksum(), Checksum()
+    by_rows.add_rows(4_321, stride, values)
+    first = torch.arange(rows, dtype=torch.int64) * stride + 4_321
+    by_positions.add((first[:, None] + torch.arange(row_len, dtype=torch.int64)).to(device), values)
+    assert (by_rows.low, by_rows.high, by_rows.count) == (by_positions.low, by_positions.high, rows * row_len)
+    with pytest.raises(ValueError, match="whole rows"):
+        params._kernels.checksum_rows(torch.zeros(10).numpy(), 3, 0, 3)
+
+
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_add_and_hash_kernel_equals_the_torch_path(
     monkeypatch: pytest.MonkeyPatch, with_residual: bool

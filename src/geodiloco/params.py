@@ -130,6 +130,18 @@ class Checksum:
             low, high = _mix_on_device(positions.to(torch.int64), values)
         self.low, self.high, self.count = self.low + low, self.high + high, self.count + positions.numel()
 
+    def add_rows(self, start: int, stride: int, values: torch.Tensor) -> None:
+        """Add the rows of ``values`` (rows x row_len), row r a run of canonical elements from
+        ``start + r * stride``: e.g. a rank's shard of a matrix split by columns."""
+        rows, row_len = values.shape
+        if values.device.type == "cpu" and _kernels is not None and 0 < values.numel() < KERNEL_HASH_BLOCK:
+            flat = values.detach().to(torch.float32).contiguous()
+            low, high = _kernels.checksum_rows(flat.numpy(), row_len, start, stride)
+            self.low, self.high, self.count = self.low + low, self.high + high, self.count + values.numel()
+            return
+        first = torch.arange(rows, dtype=torch.int64) * stride + start
+        self.add(first[:, None] + torch.arange(row_len, dtype=torch.int64), values)
+
     def add_range(self, start: int, values: torch.Tensor) -> None:
         """Add a contiguous run of canonical elements starting at ``start``."""
         flat = values.detach().reshape(-1)
