@@ -323,20 +323,25 @@ class ShardMap:
     ) -> int:
         """Write (or ``add``) the canonical elements ``[start, start + len(values))`` into ``targets``
         (laid out like the pieces) wherever this rank holds them; returns how many it wrote."""
-        end = start + values.numel()
-        if targets and values.device != targets[0].device:  # decoded on the host, applied on the device
-            values = values.to(targets[0].device)
+        values = _on_device_of(values, targets)
         written = 0
+        for i, (r0, r1), (c0, c1), (v0, v_stride) in self._blocks(start, start + values.numel()):
+            block = values.as_strided((r1 - r0, c1 - c0), (v_stride, 1), values.storage_offset() + v0)
+            target = targets[i][r0:r1, c0:c1]
+            target.add_(block) if add else target.copy_(block)
+            written += (r1 - r0) * (c1 - c0)
+        return written
+
+    def _blocks(
+        self, start: int, end: int
+    ) -> Iterator[tuple[int, tuple[int, int], tuple[int, int], tuple[int, int]]]:
+        """Each piece's blocks inside ``[start, end)``: (piece index, rows, cols, (offset in the
+        range, row stride))."""
         for i, piece in enumerate(self.pieces):
             seg = piece.segment
-            if seg.numel == 0 or seg.end <= start or seg.start >= end:
-                continue
-            for (r0, r1), (c0, c1), (v0, v_stride) in _overlaps(seg, start, end):
-                block = values.as_strided((r1 - r0, c1 - c0), (v_stride, 1), values.storage_offset() + v0)
-                target = targets[i][r0:r1, c0:c1]
-                target.add_(block) if add else target.copy_(block)
-                written += (r1 - r0) * (c1 - c0)
-        return written
+            if seg.numel and seg.start < end and seg.end > start:
+                for block in _overlaps(seg, start, end):
+                    yield (i, *block)
 
     def add_encoded_range(
         self, codec: Pipeline, data: bytes | memoryview, place: Place, targets: list[torch.Tensor]
@@ -348,20 +353,13 @@ class ShardMap:
         piece is added straight from its codes, its fp32 values never written out."""
         start, numel = place.segment.start, place.segment.numel
         raw = codec.unpack(data, numel, place)
-        blocks = [
-            (i, rows, cols, offset)
-            for i, piece in enumerate(self.pieces)
-            if piece.segment.numel and piece.segment.start < start + numel and piece.segment.end > start
-            for rows, cols, offset in _overlaps(piece.segment, start, start + numel)
-        ]
+        blocks = list(self._blocks(start, start + numel))
         if len(blocks) == 1:
             i, (r0, r1), (c0, c1), _ = blocks[0]
             if r1 - r0 == 1 and c1 - c0 == numel:  # one run of one piece
                 checksum, _ = add_encoded_and_hash(codec, raw, place, targets[i][r0, c0:c1])
                 return numel, checksum
-        values = codec.decode_raw(raw, numel, place)
-        if targets and values.device != targets[0].device:  # decoded on the host, applied on the device
-            values = values.to(targets[0].device)
+        values = _on_device_of(codec.decode_raw(raw, numel, place), targets)
         written, checksum, runs = 0, Checksum(), True
         for i, (r0, r1), (c0, c1), (v0, v_stride) in blocks:
             if r1 - r0 == 1:
@@ -373,6 +371,11 @@ class ShardMap:
                 runs = False
             written += (r1 - r0) * (c1 - c0)
         return written, checksum if runs else None
+
+
+def _on_device_of(values: torch.Tensor, targets: list[torch.Tensor]) -> torch.Tensor:
+    """``values`` where ``targets`` are: decoded on the host, applied on the device."""
+    return values.to(targets[0].device) if targets and values.device != targets[0].device else values
 
 
 def _overlaps(
