@@ -149,23 +149,33 @@ static void join_nibbles(const uint8_t *hi, const uint8_t *lo, Py_ssize_t n, uin
  * index `first` contributes splitmix64's finaliser of (first + i) * GOLDEN + (its fp32 bits) to
  * two sums, of the low and of the high 32 bits. Unsigned 64-bit arithmetic wraps exactly as
  * numpy's uint64 does in the Python path, so both give the same sums; the caller keeps a run
- * under 2^32 elements so that neither sum can wrap. */
-static inline uint64_t mix(uint64_t index, uint32_t bits)
+ * under 2^32 elements so that neither sum can wrap.
+ *
+ * The loops below carry (first + i) * GOLDEN as a running key advanced by GOLDEN per element
+ * (the same value, modulo 2^64): without AVX-512 a 64-bit vector multiply is three 32-bit ones,
+ * and this drops one of the hash's three (checksum_range 1.18 to 0.84 ms per Mi elements). */
+#define GOLDEN 0x9E3779B97F4A7C15ull
+
+static inline uint64_t splitmix_finish(uint64_t x)
 {
-    uint64_t x = index * 0x9E3779B97F4A7C15ull + bits;
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
     x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
     return x ^ (x >> 31);
 }
 
+static inline uint64_t mix_keyed(uint64_t key, float value)
+{
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return splitmix_finish(key + bits);
+}
+
 WIDEST_SIMD
 static void checksum_mix(const float *values, Py_ssize_t n, uint64_t first, uint64_t *low, uint64_t *high)
 {
-    uint64_t lo = 0, hi = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t bits;
-        memcpy(&bits, &values[i], sizeof bits);
-        uint64_t x = mix(first + (uint64_t)i, bits);
+    uint64_t lo = 0, hi = 0, key = first * GOLDEN;
+    for (Py_ssize_t i = 0; i < n; i++, key += GOLDEN) {
+        uint64_t x = mix_keyed(key, values[i]);
         lo += x & 0xFFFFFFFFull;
         hi += x >> 32;
     }
@@ -231,8 +241,8 @@ static void nesterov_send_span(const float *total, float *momentum, float *send,
 #define SQUARE_LANES 16 /* independent double accumulators: the sum vectorises, its order fixed */
 
 /* θ += decoded (and residual -= decoded, where given), and of the new θ: the checksum sums (as
- * checksum_mix) and Σ θ² in double, in one pass. */
-static inline void add_hash_one(float *theta, const float *decoded, float *residual, Py_ssize_t i, uint64_t first,
+ * checksum_mix, `key` the element's (index * GOLDEN)) and Σ θ² in double, in one pass. */
+static inline void add_hash_one(float *theta, const float *decoded, float *residual, Py_ssize_t i, uint64_t key,
                                 double *square, uint64_t *lo, uint64_t *hi)
 {
     float t = theta[i] + decoded[i];
@@ -240,27 +250,30 @@ static inline void add_hash_one(float *theta, const float *decoded, float *resid
     if (residual)
         residual[i] = residual[i] - decoded[i];
     *square += (double)t * (double)t;
-    uint32_t bits;
-    memcpy(&bits, &t, sizeof bits);
-    uint64_t x = mix(first + (uint64_t)i, bits);
+    uint64_t x = mix_keyed(key, t);
     *lo += x & 0xFFFFFFFFull;
     *hi += x >> 32;
 }
 
-/* add_hash_one over n elements, into running sums: element i goes to lane i % SQUARE_LANES, so a
- * span cut into runs whose lengths are multiples of SQUARE_LANES sums exactly as the whole. */
+/* add_hash_one over n elements, into running sums: element i's square goes to lane
+ * i % SQUARE_LANES, so a span cut into runs whose lengths are multiples of SQUARE_LANES sums
+ * exactly as the whole. The checksum's sums are kept per lane as well (integer sums: any order
+ * gives the same result), so no horizontal add runs every SQUARE_LANES elements; with the
+ * running key, apply_q8 went from 1.62 to 1.28 ms per Mi elements. */
 static inline void add_hash_run(float *theta, const float *decoded, float *residual, Py_ssize_t n, uint64_t first,
                                 double lanes[SQUARE_LANES], uint64_t *low, uint64_t *high)
 {
-    uint64_t lo = *low, hi = *high;
+    uint64_t lo[SQUARE_LANES] = {0}, hi[SQUARE_LANES] = {0}, key = first * GOLDEN;
     Py_ssize_t full = n - n % SQUARE_LANES;
-    for (Py_ssize_t a = 0; a < full; a += SQUARE_LANES)
+    for (Py_ssize_t a = 0; a < full; a += SQUARE_LANES, key += SQUARE_LANES * GOLDEN)
         for (int j = 0; j < SQUARE_LANES; j++)
-            add_hash_one(theta, decoded, residual, a + j, first, &lanes[j], &lo, &hi);
-    for (Py_ssize_t i = full; i < n; i++)
-        add_hash_one(theta, decoded, residual, i, first, &lanes[i - full], &lo, &hi);
-    *low = lo;
-    *high = hi;
+            add_hash_one(theta, decoded, residual, a + j, key + (uint64_t)j * GOLDEN, &lanes[j], &lo[j], &hi[j]);
+    for (Py_ssize_t i = full; i < n; i++, key += GOLDEN)
+        add_hash_one(theta, decoded, residual, i, key, &lanes[i - full], &lo[0], &hi[0]);
+    for (int j = 0; j < SQUARE_LANES; j++) {
+        *low += lo[j];
+        *high += hi[j];
+    }
 }
 
 static inline double lane_total(const double lanes[SQUARE_LANES])
