@@ -90,8 +90,12 @@ static int dequantize_blocks(const float *step, const int8_t *codes, Py_ssize_t 
     return low > -128;
 }
 
+#define SQUARES_RUN 65536 /* codes whose Σ code² (at most 128² each) an int32 holds exactly */
+
 /* Σ (step_b · code_i)² in double: Σ code² per block is an exact integer (at most 127² a code),
- * times step_b² once a block, so the norm of a q8 chunk needs no fp32 copy of its values.
+ * times step_b² once a block, so the norm of a q8 chunk needs no fp32 copy of its values. The
+ * integer sums run in int32 over at most SQUARES_RUN codes at a time, which vectorises as
+ * 16-bit multiply-adds (an int64 sum per code did not: 0.30 against 0.18 ns a code).
  * 1 when every code is on the grid (out written), 0 when one is -128. */
 WIDEST_SIMD
 static int sumsq_blocks(const float *step, const int8_t *codes, Py_ssize_t numel, Py_ssize_t block,
@@ -103,9 +107,14 @@ static int sumsq_blocks(const float *step, const int8_t *codes, Py_ssize_t numel
         Py_ssize_t n = numel - start < block ? numel - start : block;
         const int8_t *c = codes + start;
         int64_t squares = 0;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            low = c[i] < low ? c[i] : low;
-            squares += (int32_t)c[i] * (int32_t)c[i];
+        for (Py_ssize_t at = 0; at < n; at += SQUARES_RUN) {
+            Py_ssize_t m = n - at < SQUARES_RUN ? n - at : SQUARES_RUN;
+            int32_t run = 0;
+            for (Py_ssize_t i = at; i < at + m; i++) {
+                low = c[i] < low ? c[i] : low;
+                run += (int16_t)c[i] * (int16_t)c[i];
+            }
+            squares += run;
         }
         double s = (double)step[b];
         total += s * s * (double)squares;

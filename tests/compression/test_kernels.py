@@ -86,6 +86,17 @@ def test_the_norm_from_codes_equals_the_decoded_values_norm(x: torch.Tensor, blo
     assert codec.sumsq(raw, x.numel()) == pytest.approx(exact, rel=1e-6, abs=1e-300)
 
 
+def test_the_norm_from_codes_is_exact_for_blocks_whose_squares_pass_int32() -> None:
+    """Σ code² of a block of 200,000 codes of ±127 is 3.2e9, past an int32: the kernel sums it in
+    runs that each fit and gives the exact total."""
+    codec = BlockwiseAbsmax(bits=8, block=200_000)
+    x = torch.where(torch.arange(300_000) % 2 == 0, 1.0, -1.0)
+    raw = codec.encode(x)
+    steps = raw[:8].view(torch.float32).double().tolist()  # two blocks: 200,000 and 100,000 codes
+    exact = steps[0] ** 2 * (200_000 * 127**2) + steps[1] ** 2 * (100_000 * 127**2)
+    assert codec.sumsq(raw, x.numel()) == pytest.approx(exact, rel=1e-12)
+
+
 def test_the_norm_from_codes_refuses_what_decoding_refuses() -> None:
     codec = BlockwiseAbsmax(bits=8, block=128)
     raw = codec.encode(torch.randn(300))
