@@ -20,7 +20,7 @@ from geodiloco.compression.pipeline import Pipeline
 class EncodedChunk:
     start: int
     numel: int
-    payload: bytes
+    payload: bytes | memoryview  # a view where the chunk is read out of a larger buffer (a logged update)
 
 
 def chunk_ranges(numel: int, chunk_elements: int) -> Iterator[tuple[int, int]]:

@@ -45,7 +45,14 @@ from geodiloco.coordinator.reports import REPORT_LOG, HashReport, append_report,
 from geodiloco.coordinator.rounds_pool import WORKERS
 from geodiloco.coordinator.rundir import ROUND_LOG as ROUND_LOG
 from geodiloco.coordinator.rundir import check_run_config
-from geodiloco.coordinator.updatelog import LoggedUpdate, UpdateLogWriter, logged_rounds, prune, read_update
+from geodiloco.coordinator.updatelog import (
+    LoggedUpdate,
+    UpdateBuffers,
+    UpdateLogWriter,
+    logged_rounds,
+    prune,
+    read_update,
+)
 from geodiloco.params import Checksum, add_encoded_and_hash, state_hash
 from geodiloco.security.sealing import Sealer
 from geodiloco.workload.data import DataRange
@@ -214,11 +221,12 @@ class RoundController:
         returns how many. The next round's file is read while this one is applied."""
         assert self.run_dir is not None
         run_dir, rounds = self.run_dir, [r for r in logged_rounds(self.run_dir) if r >= self.round]
+        buffers = UpdateBuffers(2)  # the update applied and the one read ahead
         with ThreadPoolExecutor(1, thread_name_prefix="replay-read") as reader:
-            ahead = [reader.submit(read_update, run_dir, r, self.sealer) for r in rounds[:1]]  # in flight
+            ahead = [reader.submit(buffers.read, run_dir, r, self.sealer) for r in rounds[:1]]  # in flight
             for i, r in enumerate(rounds):
                 update = ahead.pop().result()
-                ahead += [reader.submit(read_update, run_dir, n, self.sealer) for n in rounds[i + 1 : i + 2]]
+                ahead += [reader.submit(buffers.read, run_dir, n, self.sealer) for n in rounds[i + 1 : i + 2]]
                 self._replay_one(r, update)
         return len(rounds)
 

@@ -91,7 +91,7 @@ async def _next_chunk(chunks: AsyncIterator[Any], timeout_s: float) -> Any:
         ) from None
 
 
-def _sealed(sealer: Sealer, head: Any, payload: bytes) -> bytes:
+def _sealed(sealer: Sealer, head: Any, payload: bytes | memoryview) -> bytes:
     """``head`` with ``payload`` sealed for its receiver, encoded (a worker thread)."""
     return encode_with(head, sealed_update_payload(sealer, head, payload))
 

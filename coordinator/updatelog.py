@@ -105,12 +105,16 @@ class UpdateLogWriter:
         self.abort()
 
 
-def read_update(run_dir: Path, round_: int, sealer: Sealer | None) -> LoggedUpdate | None:
-    """The logged update closing ``round_``, verified; None when it is not (or no longer) logged."""
+def read_update(
+    run_dir: Path, round_: int, sealer: Sealer | None, into: bytearray | None = None
+) -> LoggedUpdate | None:
+    """The logged update closing ``round_``, verified; None when it is not (or no longer) logged.
+    Its chunks are views of ``into`` where the file fits there (see :func:`read_payload`): the
+    caller must not reuse it while the update is in use."""
     path = update_path(run_dir, round_)
     if not path.exists():
         return None
-    data = memoryview(read_payload(path, sealer, _label(round_)))
+    data = memoryview(read_payload(path, sealer, _label(round_), into))
     try:
         if data[: len(UPDATE_MAGIC)] == UPDATE_MAGIC:  # chunks, then the record
             (length,) = _LENGTH.unpack_from(data, data.nbytes - _LENGTH.size)
@@ -124,7 +128,8 @@ def read_update(run_dir: Path, round_: int, sealer: Sealer | None) -> LoggedUpda
             end = data.nbytes
         chunks = []
         for start, numel, size in meta["chunks"]:
-            chunks.append(EncodedChunk(int(start), int(numel), bytes(data[at : at + size])))
+            # views of the payload, not copies: a 100 MB update would take fresh pages twice
+            chunks.append(EncodedChunk(int(start), int(numel), data[at : at + size]))
             at += size
         update = LoggedUpdate(
             meta["run_id"],
@@ -140,6 +145,24 @@ def read_update(run_dir: Path, round_: int, sealer: Sealer | None) -> LoggedUpda
     if update.round != round_ or at != end:
         raise CorruptStateError(f"{path}: holds round {update.round}, not {round_} (moved or altered)")
     return update
+
+
+class UpdateBuffers:
+    """Buffers that :func:`read_update` reads into, taken in turn, each grown to the file it must
+    hold: reading update after update (a restart's replay) then reuses their pages instead of
+    taking fresh ones per update. An update read through it is valid until ``count`` more are."""
+
+    def __init__(self, count: int) -> None:
+        self._buffers = [bytearray() for _ in range(count)]
+        self._next = 0
+
+    def read(self, run_dir: Path, round_: int, sealer: Sealer | None) -> LoggedUpdate | None:
+        path = update_path(run_dir, round_)
+        size = path.stat().st_size if path.exists() else 0
+        i, self._next = self._next, (self._next + 1) % len(self._buffers)
+        if len(self._buffers[i]) < size:
+            self._buffers[i] = bytearray(size + size // 8)  # room for the next rounds' sizes
+        return read_update(run_dir, round_, sealer, self._buffers[i])
 
 
 def logged_rounds(run_dir: Path) -> list[int]:

@@ -61,7 +61,7 @@ def _seal(sealer: Sealer, msg: Any, aad_of: Any) -> None:
     msg.payload = _sealed_payload(sealer, msg, msg.payload, aad_of)
 
 
-def _sealed_payload(sealer: Sealer, msg: Any, payload: bytes, aad_of: Any) -> bytes:
+def _sealed_payload(sealer: Sealer, msg: Any, payload: bytes | memoryview, aad_of: Any) -> bytes:
     """``payload`` sealed for ``msg``, whose header gets the key id and nonce (the payload is
     not part of the associated data, so it may travel outside the message until encoding)."""
     msg.header.key_id = sealer.key_id
@@ -96,7 +96,7 @@ def sealed_delta_payload(sealer: Sealer, msg: Any, payload: bytes) -> bytes:
     return _sealed_payload(sealer, msg, payload, _delta_aad)
 
 
-def sealed_update_payload(sealer: Sealer, msg: Any, payload: bytes) -> bytes:
+def sealed_update_payload(sealer: Sealer, msg: Any, payload: bytes | memoryview) -> bytes:
     """:func:`sealed_delta_payload` for an UpdateChunk."""
     return _sealed_payload(sealer, msg, payload, _update_aad)
 

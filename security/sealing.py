@@ -79,7 +79,7 @@ class Sealer:
     def __repr__(self) -> str:  # the key never appears in logs or tracebacks
         return f"Sealer(key_id={self.key_id:08x})"
 
-    def seal(self, payload: bytes, aad: bytes) -> tuple[bytes, bytes]:
+    def seal(self, payload: bytes | memoryview, aad: bytes) -> tuple[bytes, bytes]:
         nonce = os.urandom(NONCE_BYTES)
         return nonce, self._aead.encrypt(nonce, payload, aad)
 

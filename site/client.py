@@ -253,7 +253,8 @@ class PulledPart:
 def wire_chunk(chunk: WireChunk | EncodedChunk) -> WireChunk:
     if isinstance(chunk, WireChunk):
         return chunk
-    return WireChunk(Segment(chunk.start, 1, chunk.numel, chunk.numel), chunk.payload)
+    # bytes(b) of a bytes object is that object: a copy only for a view
+    return WireChunk(Segment(chunk.start, 1, chunk.numel, chunk.numel), bytes(chunk.payload))
 
 
 def delta_messages(

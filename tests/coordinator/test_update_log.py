@@ -93,6 +93,31 @@ def test_a_tampered_or_moved_update_is_refused(tmp_path: Path) -> None:
         controller(tmp_path)
 
 
+def test_update_buffers_reuse_their_memory_and_still_refuse_a_tampered_file(tmp_path: Path) -> None:
+    """A restart's replay reads update after update into two buffers in turn: the same updates as
+    fresh reads, the third in the first one's memory, and a file altered after a good read of it
+    into the same buffer is refused, not served from what the buffer held."""
+    c = controller(tmp_path)
+    asyncio.run(commit_rounds(c, 3))
+    fresh = [updatelog.read_update(tmp_path, r, None) for r in range(3)]
+    buffers = updatelog.UpdateBuffers(2)
+    read = []
+    for r in range(3):
+        read.append(buffers.read(tmp_path, r, None))
+        assert read[r] == fresh[r]  # valid until two more are read: round 2 reuses round 0's memory
+    owners = [
+        u.chunks[0].payload.obj for u in read if u is not None and isinstance(u.chunks[0].payload, memoryview)
+    ]
+    assert len(owners) == 3 and owners[2] is owners[0] and owners[1] is not owners[0]
+    path = updatelog.update_path(tmp_path, 1)  # the next read goes into the buffer holding round 1
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptStateError, match="checksum"):
+        buffers.read(tmp_path, 1, None)
+    assert buffers.read(tmp_path, 7, None) is None  # not logged
+
+
 def test_an_update_logged_by_an_earlier_version_still_reads(tmp_path: Path) -> None:
     """Earlier files put the record before the chunks; today's put it after (written as the
     chunks are computed). Both read to the same update."""
