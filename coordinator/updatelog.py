@@ -157,8 +157,10 @@ class UpdateBuffers:
         self._next = 0
 
     def read(self, run_dir: Path, round_: int, sealer: Sealer | None) -> LoggedUpdate | None:
-        path = update_path(run_dir, round_)
-        size = path.stat().st_size if path.exists() else 0
+        try:
+            size = update_path(run_dir, round_).stat().st_size
+        except FileNotFoundError:
+            return None  # not (or no longer) logged, as read_update says
         i, self._next = self._next, (self._next + 1) % len(self._buffers)
         if len(self._buffers[i]) < size:
             self._buffers[i] = bytearray(size + size // 8)  # room for the next rounds' sizes
