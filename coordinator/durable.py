@@ -8,9 +8,11 @@ or reading a snapshot of a model of any size costs one segment of memory beyond 
 
 A state's payload is a small skeleton (plain containers, read with
 ``torch.load(weights_only=True)``: never arbitrary pickled objects) followed by the raw bytes of
-its tensors, read into freshly allocated tensors. Files are written and read past the page cache
-(:mod:`.unbuffered`). Files written by earlier versions (checksum or segment count in a header,
-or one ``torch.save`` payload) are still read.
+its tensors, each after a few zero bytes that put it at a page-aligned offset of an unsealed file.
+Files are written and read past the page cache (:mod:`.unbuffered`). An unsealed file is read
+whole into page-aligned memory and verified before anything in it is parsed; its large tensors
+are then views of that memory, not copies. Files written by earlier versions (tensors not
+aligned, checksum or segment count in a header, or one ``torch.save`` payload) are still read.
 
 When the run seals its payloads (it has a run secret), these files are sealed too: AES-256-GCM
 under a key derived from the run secret for this run, in segments of ``SEGMENT_BYTES``, each
@@ -22,8 +24,11 @@ the wire.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
+import math
+import mmap
 import os
 import struct
 from collections.abc import Iterable, Iterator
@@ -37,7 +42,13 @@ import xxhash
 from geodiloco.coordinator.errors import CorruptStateError as CorruptStateError
 from geodiloco.coordinator.errors import StateError as StateError
 from geodiloco.coordinator.rundir import STATE_FILE as STATE_FILE
-from geodiloco.coordinator.unbuffered import UnbufferedFile, UnbufferedReader
+from geodiloco.coordinator.unbuffered import (
+    BLOCK,
+    UnbufferedFile,
+    UnbufferedReader,
+    read_whole,
+    taken_ahead,
+)
 from geodiloco.security.sealing import NONCE_BYTES, TAG_BYTES, Sealer, SealError
 
 # An unsealed file is checksummed against torn writes and corruption, not against an attacker
@@ -57,7 +68,10 @@ SEALED_MAGIC_COUNTED = b"GDLSTAS1"  # earlier: the segment count and length in t
 _SEALED_HEADER_COUNTED = struct.Struct("<8sIQQ")  # magic, key id, payload length, segment length
 _SEGMENT_AAD_COUNTED = struct.Struct("<QQQQ")  # segment index, count and length; payload length
 SEGMENT_BYTES = 64 << 20  # well under AES-GCM's (and the library's) per-call limit
-RAW_MAGIC = b"GDLRAW01"  # a payload of skeleton + raw tensors (earlier: one torch.save)
+RAW_MAGIC = b"GDLRAW02"  # a payload of skeleton + raw tensors, each after its padding
+RAW_MAGIC_UNPADDED = b"GDLRAW01"  # earlier: tensors back to back (and before: one torch.save)
+_PAD = struct.Struct("<Q")  # the zero bytes before a tensor's
+VIEW_BYTES = 1 << 20  # a tensor this large is a view of the file's memory, a smaller one a copy
 STATE_LABEL = "coordinator-state"  # the at-rest key's label and the segments' associated data
 
 
@@ -67,9 +81,14 @@ def save_state(path: Path, state: dict[str, Any], sealer: Sealer | None = None) 
     skeleton, tensors = _split(state, [])
     meta = io.BytesIO()
     torch.save(skeleton, meta)
-    head = RAW_MAGIC + struct.pack("<Q", meta.tell()) + meta.getvalue()
-    pieces = [memoryview(head), *(_bytes_of(t) for t in tensors)]
-    write_stream(path, pieces, sealer, STATE_LABEL)
+    with DurableWriter(path, sealer, STATE_LABEL) as out:
+        out.write(RAW_MAGIC + struct.pack("<Q", meta.tell()) + meta.getvalue())
+        for t in tensors:
+            at = out.file_offset
+            pad = 0 if at is None else -(at + _PAD.size) % BLOCK  # sealed: offsets are not the file's
+            out.write(_PAD.pack(pad) + bytes(pad))
+            out.write(_bytes_of(t))
+        out.commit()
 
 
 def load_state(path: Path, sealer: Sealer | None = None) -> dict[str, Any] | None:
@@ -79,21 +98,21 @@ def load_state(path: Path, sealer: Sealer | None = None) -> dict[str, Any] | Non
     file. Anything else is refused with the reason, never loaded."""
     if not path.exists():
         return None
-    with UnbufferedReader(path) as f:
-        return _read_state(path, _open_reader(path, f, sealer, STATE_LABEL))
+    with _payload(path, sealer, STATE_LABEL) as reader:
+        return _read_state(path, reader)
 
 
-def _read_state(path: Path, reader: _Reader | _FileReader) -> dict[str, Any]:
+def _read_state(path: Path, reader: _Reader | _MemoryReader) -> dict[str, Any]:
     prefix = reader.read(len(RAW_MAGIC))
-    if prefix != RAW_MAGIC:  # an earlier version's single torch.save payload
-        legacy = prefix + reader.rest()
+    if prefix not in (RAW_MAGIC, RAW_MAGIC_UNPADDED):  # an earlier version's single torch.save
+        legacy = prefix + bytes(reader.rest())
         old: dict[str, Any] = torch.load(io.BytesIO(legacy), weights_only=True)
         return old
     (length,) = struct.unpack("<Q", reader.read(8))
     skeleton = torch.load(io.BytesIO(reader.read(length)), weights_only=True)
     tensors: list[torch.Tensor] = []
-    state = _join(skeleton, reader, tensors, path)
-    if reader.rest():
+    state = _join(skeleton, reader, tensors, path, padded=prefix == RAW_MAGIC)
+    if len(reader.rest()):
         raise CorruptStateError(f"{path}: bytes after the last tensor (altered)")
     if not isinstance(state, dict):
         raise CorruptStateError(f"{path}: not a coordinator state")
@@ -130,6 +149,11 @@ class DurableWriter:
             self._file.write(MAGIC)
         else:
             self._file.write(_SEALED_HEADER.pack(SEALED_MAGIC, sealer.key_id, SEGMENT_BYTES))
+
+    @property
+    def file_offset(self) -> int | None:
+        """Where the next payload byte lands in the file; None when sealed (segments move it)."""
+        return None if self._sealer is not None else len(MAGIC) + self.length
 
     def write(self, piece: bytes | bytearray | memoryview) -> None:
         assert self._file is not None, "written after commit"
@@ -184,38 +208,64 @@ class DurableWriter:
 
 
 def read_payload(
-    path: Path, sealer: Sealer | None, label: str, into: bytearray | None = None
-) -> bytes | bytearray | memoryview:
+    path: Path, sealer: Sealer | None, label: str, into: mmap.mmap | None = None
+) -> bytes | memoryview:
     """The whole verified payload of ``path``. An unsealed one is read into ``into`` where it
-    fits (a view of its start is returned), so that a caller reading file after file, as a
-    restart's replay does, reuses its pages: fresh ones cost half the read (0.21 against 0.11 s
-    for a 98 MB update on this project's VM)."""
-    with UnbufferedReader(path) as f:
-        reader = _open_reader(path, f, sealer, label)
-        return reader.rest(into) if isinstance(reader, _FileReader) else reader.rest()
+    fits (a view of it is returned), so that a caller reading file after file, as a restart's
+    replay does, reuses its pages: fresh ones cost half the read (0.21 against 0.11 s for a
+    98 MB update on this project's VM)."""
+    with _payload(path, sealer, label, into) as reader:
+        return reader.rest()
 
 
-def _open_reader(path: Path, f: UnbufferedReader, sealer: Sealer | None, label: str) -> _Reader | _FileReader:
-    """A reader of ``f``'s payload, after the checks of its kind (sealed or checksummed). A
-    checksummed file is verified at its end: trust what was read only once ``rest()`` returned."""
-    magic = bytes(f.read(8))
-    f.seek(0)
-    size = f.size
+@contextlib.contextmanager
+def _payload(
+    path: Path, sealer: Sealer | None, label: str, into: mmap.mmap | None = None
+) -> Iterator[_Reader | _MemoryReader]:
+    """A reader of ``path``'s payload, after the checks of its kind: a sealed file is verified
+    segment by segment as it is read, a checksummed one whole before it is returned."""
+    with open(path, "rb") as f:
+        magic = f.read(8)
     if magic in (SEALED_MAGIC, SEALED_MAGIC_COUNTED):
         if sealer is None:
             raise StateError(
                 f"{path} is sealed: start the coordinator with the run's --run-secret to resume from it"
             )
         opened = _open_segments if magic == SEALED_MAGIC else _open_counted_segments
-        return _Reader(opened(path, f, size, sealer, label))
+        ahead = taken_ahead(path)
+        with UnbufferedReader(path) if ahead is None else _InMemory(ahead) as file:
+            yield _Reader(opened(path, file, file.size, sealer, label))
+        return
     if magic in (MAGIC, MAGIC_HEADED, MAGIC_SHA256):
         if sealer is not None:
             raise StateError(
                 f"{path} is not sealed, but this run seals its state: refusing a file that anyone "
                 "with access to the run directory could have written (move it away to start afresh)"
             )
-        return _FileReader(path, f, size, magic)
+        yield _MemoryReader(path, _verified(path, read_whole(path, into)))
+        return
     raise CorruptStateError(f"{path}: not a geodiloco coordinator state file")
+
+
+def _verified(path: Path, data: memoryview) -> memoryview:
+    """The payload of a checksummed file's bytes, once its checksum and length are right."""
+    magic = bytes(data[: len(MAGIC)])
+    if magic == MAGIC:  # checksum and length after the payload
+        if data.nbytes < len(MAGIC) + _TRAILER.size:
+            raise CorruptStateError(f"{path}: shorter than its checksum")
+        expected, length = _TRAILER.unpack_from(data, data.nbytes - _TRAILER.size)
+        payload = data[len(MAGIC) : data.nbytes - _TRAILER.size]
+    else:  # an earlier version's header (or a file replaced since its magic was read: refused below)
+        header = _HEADER_SHA256 if magic == MAGIC_SHA256 else _HEADER
+        if data.nbytes < header.size:
+            raise CorruptStateError(f"{path}: shorter than its header")
+        _, expected, length = header.unpack_from(data)
+        payload = data[header.size :]
+    digest: Any = hashlib.sha256() if magic == MAGIC_SHA256 else xxhash.xxh3_128()
+    digest.update(payload)
+    if payload.nbytes != length or digest.digest() != expected:
+        raise CorruptStateError(f"{path}: checksum mismatch (truncated or altered)")
+    return payload
 
 
 def _check_key(path: Path, key_id: int, sealer: Sealer) -> None:
@@ -231,7 +281,9 @@ def _check_segment_bytes(path: Path, segment_bytes: int) -> None:
         raise CorruptStateError(f"{path}: segment length {segment_bytes} out of range (altered)")
 
 
-def _open_segments(path: Path, f: UnbufferedReader, size: int, sealer: Sealer, label: str) -> Iterator[bytes]:
+def _open_segments(
+    path: Path, f: UnbufferedReader | _InMemory, size: int, sealer: Sealer, label: str
+) -> Iterator[bytes]:
     """The segments of a sealed file, each verified as it is read: every segment but the last is
     ``segment_bytes`` long, so the file's size says where each ends and which is the last."""
     if size < _SEALED_HEADER.size:
@@ -259,7 +311,7 @@ def _open_segments(path: Path, f: UnbufferedReader, size: int, sealer: Sealer, l
 
 
 def _open_counted_segments(
-    path: Path, f: UnbufferedReader, size: int, sealer: Sealer, label: str
+    path: Path, f: UnbufferedReader | _InMemory, size: int, sealer: Sealer, label: str
 ) -> Iterator[bytes]:
     """The segments of a sealed file of the earlier format: count and length in the header."""
     if size < _SEALED_HEADER_COUNTED.size:
@@ -320,21 +372,27 @@ def _split(obj: Any, tensors: list[torch.Tensor]) -> tuple[Any, list[torch.Tenso
     return obj, tensors
 
 
-def _join(obj: Any, reader: _Reader | _FileReader, tensors: list[torch.Tensor], path: Path) -> Any:
+def _join(
+    obj: Any, reader: _Reader | _MemoryReader, tensors: list[torch.Tensor], path: Path, padded: bool
+) -> Any:
     """The skeleton with its placeholders filled, reading the tensors in order."""
     if isinstance(obj, dict) and _TENSOR in obj:
         dtype = _DTYPES.get(obj.get("dtype", ""))
         shape = obj.get("shape")
         if dtype is None or not isinstance(shape, list) or obj[_TENSOR] != len(tensors):
             raise CorruptStateError(f"{path}: a tensor's description is not valid (altered)")
-        t = torch.empty(shape, dtype=dtype)
-        reader.readinto(_bytes_of(t))
+        if padded:
+            (pad,) = _PAD.unpack(reader.read(_PAD.size))
+            if pad >= BLOCK:
+                raise CorruptStateError(f"{path}: {pad} bytes of padding before a tensor (altered)")
+            reader.read(pad)
+        t = reader.tensor(shape, dtype)
         tensors.append(t)
         return t
     if isinstance(obj, dict):
-        return {k: _join(v, reader, tensors, path) for k, v in obj.items()}
+        return {k: _join(v, reader, tensors, path, padded) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_join(v, reader, tensors, path) for v in obj]
+        return [_join(v, reader, tensors, path, padded) for v in obj]
     return obj
 
 
@@ -342,7 +400,7 @@ _TENSOR = "__tensor__"
 
 
 class _Reader:
-    """Sequential reads over a stream of verified segments."""
+    """Sequential reads over a stream of verified segments (a sealed file)."""
 
     def __init__(self, segments: Iterator[bytes]) -> None:
         self._segments = segments
@@ -370,6 +428,11 @@ class _Reader:
         self.readinto(memoryview(out))
         return bytes(out)
 
+    def tensor(self, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype)
+        self.readinto(_bytes_of(t))
+        return t
+
     def rest(self) -> bytes:
         """Everything left; reaching the end also completes the stream's verification."""
         parts = [bytes(self._current)]
@@ -379,55 +442,44 @@ class _Reader:
         return b"".join(parts)
 
 
-class _FileReader:
-    """Sequential reads of a checksummed file into their destinations (a tensor's memory: no
-    copy through segments), hashed as they go and verified by ``rest()``."""
+class _InMemory(contextlib.AbstractContextManager["_InMemory"]):
+    """A file's bytes already read (:func:`.unbuffered.read_ahead`), read like the file."""
 
-    def __init__(self, path: Path, f: UnbufferedReader, size: int, magic: bytes) -> None:
-        if magic == MAGIC:  # checksum and length after the payload
-            if size < len(MAGIC) + _TRAILER.size:
-                raise CorruptStateError(f"{path}: shorter than its checksum")
-            f.seek(size - _TRAILER.size)
-            self._expected, self._left = _TRAILER.unpack(f.read(_TRAILER.size))
-            f.seek(len(MAGIC))
-            payload = size - len(MAGIC) - _TRAILER.size
-        else:  # an earlier version's header
-            header = _HEADER if magic == MAGIC_HEADED else _HEADER_SHA256
-            if size < header.size:
-                raise CorruptStateError(f"{path}: shorter than its header")
-            _, self._expected, self._left = header.unpack(f.read(header.size))
-            payload = size - header.size
-        if payload != self._left:
-            raise CorruptStateError(f"{path}: checksum mismatch (truncated or altered)")
-        self._path, self._f = path, f
-        self._digest: Any = hashlib.sha256() if magic == MAGIC_SHA256 else xxhash.xxh3_128()
-
-    def readinto(self, out: memoryview) -> None:
-        if out.nbytes > self._left:
-            raise CorruptStateError(f"{self._path}: the state ends early (truncated)")
-        at = 0
-        while at < out.nbytes:
-            got = self._f.readinto(out[at:])
-            if not got:
-                raise CorruptStateError(f"{self._path}: the state ends early (truncated)")
-            at += got
-        self._left -= out.nbytes
-        self._digest.update(out)
+    def __init__(self, data: memoryview) -> None:
+        self._data, self._at, self.size = data, 0, data.nbytes
 
     def read(self, n: int) -> bytes:
-        out = bytearray(n)
-        self.readinto(memoryview(out))
-        return bytes(out)
+        self._at += n
+        return bytes(self._data[self._at - n : self._at])
 
-    def rest(self, into: bytearray | None = None) -> bytearray | memoryview:
-        """Everything left, once the whole file is verified: in ``into``'s memory where it fits."""
-        if into is not None and len(into) >= self._left:
-            view = memoryview(into)[: self._left]
-            data: bytearray | memoryview = view[: self._f.readinto(view)]  # short: refused below
-        else:
-            data = self._f.read(self._left)
-        self._left = 0
-        self._digest.update(data)
-        if self._digest.digest() != self._expected:
-            raise CorruptStateError(f"{self._path}: checksum mismatch (truncated or altered)")
-        return data
+    def __exit__(self, *exc: object) -> None:
+        self._data.release()
+
+
+class _MemoryReader:
+    """Sequential reads of a verified payload in memory. A large tensor is a view of that memory
+    where it is aligned (a padded file's are): the file was read once, straight into it."""
+
+    def __init__(self, path: Path, payload: memoryview) -> None:
+        self._path, self._payload, self._at = path, payload, 0
+
+    def _take(self, n: int) -> memoryview:
+        if n < 0 or self._at + n > self._payload.nbytes:
+            raise CorruptStateError(f"{self._path}: the state ends early (truncated)")
+        self._at += n
+        return self._payload[self._at - n : self._at]
+
+    def read(self, n: int) -> bytes:
+        return bytes(self._take(n))
+
+    def tensor(self, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        data = self._take(numel * dtype.itemsize)
+        if not numel:
+            return torch.empty(shape, dtype=dtype)
+        t = torch.frombuffer(data, dtype=dtype, count=numel).view(shape)
+        aligned = t.data_ptr() % 64 == 0  # torch's own alignment: what its kernels may assume
+        return t if aligned and data.nbytes >= VIEW_BYTES else t.clone()
+
+    def rest(self) -> memoryview:
+        return self._take(self._payload.nbytes - self._at)

@@ -28,6 +28,7 @@ from geodiloco.coordinator.metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.coordinator.rundir import lock_run_dir
 from geodiloco.coordinator.service import AdminServicer, OuterSyncServicer
+from geodiloco.coordinator.unbuffered import drop_read_ahead
 from geodiloco.metrics import MetricsServer, serve_metrics
 from geodiloco.params import flatten_parameters
 from geodiloco.security.policy import ServerSecurity, is_loopback
@@ -321,6 +322,7 @@ async def _serve_locked(cfg: RunConfig, opts: ServeOptions, clock: StartupClock)
         controller = RoundController(cfg, initial, shard_sizes, opts.run_dir, sealer)
         del initial  # the controller holds its own θ: this copy would live as long as the server
         clock.mark("state and replay" if resumes else "controller")
+    drop_read_ahead()  # a snapshot read ahead and not taken (a streaming run's are per fragment)
     if not resumes and fragments is None:
         await controller.checkpoint()  # θ_0 on disk: a restart reads it instead of rebuilding the model
         clock.mark("first snapshot")

@@ -13,6 +13,7 @@ it gives). The same files serve sites that fell a round or two behind.
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 
 from geodiloco.compression import EncodedChunk
 from geodiloco.coordinator.durable import CorruptStateError, DurableWriter, read_payload
+from geodiloco.coordinator.unbuffered import page_aligned
 from geodiloco.security.sealing import Sealer
 
 UPDATES_DIR = "updates"
@@ -106,7 +108,7 @@ class UpdateLogWriter:
 
 
 def read_update(
-    run_dir: Path, round_: int, sealer: Sealer | None, into: bytearray | None = None
+    run_dir: Path, round_: int, sealer: Sealer | None, into: mmap.mmap | None = None
 ) -> LoggedUpdate | None:
     """The logged update closing ``round_``, verified; None when it is not (or no longer) logged.
     Its chunks are views of ``into`` where the file fits there (see :func:`read_payload`): the
@@ -153,7 +155,7 @@ class UpdateBuffers:
     taking fresh ones per update. An update read through it is valid until ``count`` more are."""
 
     def __init__(self, count: int) -> None:
-        self._buffers = [bytearray() for _ in range(count)]
+        self._buffers = [page_aligned(0) for _ in range(count)]
         self._next = 0
 
     def read(self, run_dir: Path, round_: int, sealer: Sealer | None) -> LoggedUpdate | None:
@@ -163,7 +165,7 @@ class UpdateBuffers:
             return None  # not (or no longer) logged, as read_update says
         i, self._next = self._next, (self._next + 1) % len(self._buffers)
         if len(self._buffers[i]) < size:
-            self._buffers[i] = bytearray(size + size // 8)  # room for the next rounds' sizes
+            self._buffers[i] = page_aligned(size + size // 8)  # room for the next rounds' sizes
         return read_update(run_dir, round_, sealer, self._buffers[i])
 
 

@@ -356,6 +356,11 @@ def _add_wan_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.run_dir is not None:  # a restart: the snapshot is read while torch and the server load
+        from geodiloco.coordinator.rundir import STATE_FILE
+        from geodiloco.coordinator.unbuffered import read_ahead
+
+        read_ahead(args.run_dir / STATE_FILE)
     from geodiloco.config import load_config
     from geodiloco.coordinator.durable import StateError
     from geodiloco.coordinator.server import BindError, ServeOptions, serve

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import os
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 import xxhash
 
 from geodiloco import cli
-from geodiloco.coordinator import durable
+from geodiloco.coordinator import durable, unbuffered
 from geodiloco.coordinator.durable import (
     SEALED_MAGIC,
     STATE_FILE,
@@ -219,3 +220,63 @@ def test_unsealed_state_is_checksummed_and_earlier_sha256_files_still_read(tmp_p
     path.write_bytes(old + payload[:-1] + b"\0")
     with pytest.raises(CorruptStateError, match="checksum mismatch"):
         load_state(path)
+
+
+def test_large_tensors_load_as_aligned_views_of_the_file_read_once(tmp_path: Path) -> None:
+    """Each tensor is padded to a page-aligned offset of the file, which is read whole into
+    page-aligned memory: a large tensor is that memory (no copy), wherever it falls after an odd
+    skeleton and odd-sized tensors; a small one is a copy (it would hold the whole file alive)."""
+    big = durable.VIEW_BYTES // 4 + 3
+    state = {
+        "round": 7,
+        "odd": torch.arange(5, dtype=torch.int64),
+        "theta": torch.randn(big),
+        "m": torch.randn(big),
+    }
+    path = tmp_path / STATE_FILE
+    save_state(path, state)
+    loaded = load_state(path)
+    assert loaded is not None
+    for key in ("odd", "theta", "m"):
+        assert torch.equal(loaded[key], state[key])
+    views = [loaded["theta"], loaded["m"]]
+    assert all(t.data_ptr() % 4096 == 0 for t in views)
+    assert views[1].data_ptr() - views[0].data_ptr() == -(-(big * 4 + 8) // 4096) * 4096  # one read
+    odd = loaded["odd"].data_ptr()
+    assert not views[0].data_ptr() - 2 * 4096 < odd < views[0].data_ptr()  # not in the file's memory
+    loaded["theta"] += 1  # a view is writable, as a fresh tensor is
+    assert torch.equal(loaded["theta"], state["theta"] + 1)
+
+
+def test_states_without_padding_still_read_and_a_bad_pad_is_refused(tmp_path: Path) -> None:
+    """GDLRAW01 (tensors back to back) is read by copying; a padding length no writer gives (a
+    file written by hand with its checksum made right) is refused, not trusted."""
+    theta = torch.randn(durable.VIEW_BYTES // 4 + 1)
+    skeleton, tensors = durable._split({"round": 2, "theta": theta}, [])
+    meta = io.BytesIO()
+    torch.save(skeleton, meta)
+    head = meta.tell().to_bytes(8, "little") + meta.getvalue()
+    path = tmp_path / STATE_FILE
+    with durable.DurableWriter(path, None, STATE_LABEL) as out:
+        out.write(durable.RAW_MAGIC_UNPADDED + head)
+        out.write(durable._bytes_of(tensors[0]))
+        out.commit()
+    assert torch.equal(load_state(path)["theta"], theta)  # type: ignore[index]
+    with durable.DurableWriter(path, None, STATE_LABEL) as out:
+        out.write(durable.RAW_MAGIC + head + (4096).to_bytes(8, "little") + bytes(4096))
+        out.write(durable._bytes_of(tensors[0]))
+        out.commit()
+    with pytest.raises(CorruptStateError, match="4096 bytes of padding before a tensor"):
+        load_state(path)
+
+
+def test_a_sealed_state_read_ahead_resumes_the_same(tmp_path: Path) -> None:
+    """A restarted coordinator reads its snapshot ahead, before its imports (sealed or not): the
+    state it resumes is the one a plain read gives, and the read ahead is used up."""
+    c = controller(tmp_path, sealer())
+    asyncio.run(commit_round(c, 0.25))
+    unbuffered.read_ahead(tmp_path / STATE_FILE)
+    restarted = controller(tmp_path, sealer())
+    assert unbuffered.taken_ahead(tmp_path / STATE_FILE) is None
+    assert restarted.round == 1 and torch.equal(restarted.theta, c.theta)
+    assert restarted.hashes == c.hashes

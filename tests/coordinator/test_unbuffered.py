@@ -1,9 +1,21 @@
+import ctypes
+import mmap
 import os
 from pathlib import Path
 
 import pytest
 
-from geodiloco.coordinator.unbuffered import BLOCK, BUFFER_BYTES, UnbufferedFile, UnbufferedReader
+from geodiloco.coordinator import unbuffered
+from geodiloco.coordinator.unbuffered import (
+    BLOCK,
+    BUFFER_BYTES,
+    UnbufferedFile,
+    UnbufferedReader,
+    page_aligned,
+    read_ahead,
+    read_whole,
+    taken_ahead,
+)
 
 
 @pytest.mark.parametrize("sizes", [[], [1], [BLOCK - 1, 1], [BLOCK + 1], [7, BUFFER_BYTES, BLOCK * 3 + 5]])
@@ -53,3 +65,50 @@ def test_seek_back_rereads(tmp_path: Path) -> None:
         f.read(BUFFER_BYTES + 50)  # the read-ahead is in flight past the first buffer
         f.seek(0)
         assert f.read() == data
+
+
+@pytest.mark.parametrize("size", [0, 1, BLOCK, BLOCK + 1, 3 * (1 << 20) + 7])
+def test_a_whole_read_gives_every_byte_in_aligned_memory(
+    tmp_path: Path, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In pieces read at once (small pieces here, so a 3 MB file takes several and ends inside
+    one), into fresh page-aligned memory or into a buffer given, where it fits."""
+    monkeypatch.setattr(unbuffered, "PIECE_BYTES", 4 * BLOCK)
+    data = os.urandom(size)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    got = read_whole(path)
+    assert bytes(got) == data
+    roomy, small = page_aligned(size + BLOCK), page_aligned(1)
+    into = read_whole(path, roomy)
+    assert bytes(into) == data
+    if size:
+        assert _address(got) % mmap.PAGESIZE == 0
+        assert _address(into) == _address(memoryview(roomy))
+    if size > BLOCK:
+        assert _address(read_whole(path, small)) != _address(memoryview(small))  # no room: fresh
+
+
+def test_a_read_ahead_is_taken_only_for_the_same_file(tmp_path: Path) -> None:
+    """Files are replaced by rename: a read ahead of the file that was replaced since is not the
+    file's bytes any more, and is not given for them."""
+    path = tmp_path / "state"
+    path.write_bytes(b"first" * 1000)
+    read_ahead(path)
+    assert bytes(read_whole(path)) == b"first" * 1000  # taken (and so forgotten)
+    assert taken_ahead(path) is None
+    read_ahead(path)
+    replacement = tmp_path / "state.tmp"
+    replacement.write_bytes(b"second" * 1000)
+    os.replace(replacement, path)
+    assert taken_ahead(path) is None  # the read ahead was of the old file
+    assert bytes(read_whole(path)) == b"second" * 1000
+    read_ahead(path)
+    unbuffered.drop_read_ahead()
+    assert taken_ahead(path) is None
+    read_ahead(tmp_path / "missing")  # nothing to read: nothing happens
+    assert taken_ahead(tmp_path / "missing") is None
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
