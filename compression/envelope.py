@@ -36,11 +36,15 @@ def checksum(body: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(body) & 0xFFFFFFFF
 
 
-def seal(tag: int, numel: int, body: bytes | memoryview) -> bytes:
-    """Header + body."""
+def seal(tag: int, numel: int, *body: bytes | memoryview) -> bytes:
+    """Header + body, the body given in pieces: joined once, with the header."""
     if numel > MAX_ELEMENTS:
         raise CodecError(f"a chunk holds at most {MAX_ELEMENTS} elements, got {numel}")
-    return _HEADER.pack(MAGIC, VERSION, 0, tag, numel, checksum(body)) + body
+    digest = xxhash.xxh3_64()
+    for piece in body:
+        digest.update(piece)
+    crc = digest.intdigest() & 0xFFFFFFFF  # checksum() of the joined body
+    return b"".join((_HEADER.pack(MAGIC, VERSION, 0, tag, numel, crc), *body))
 
 
 def open_frame(data: bytes | memoryview, tag: int, numel: int, spec: str) -> memoryview:

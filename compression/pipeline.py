@@ -210,10 +210,10 @@ class Pipeline:
             head = raw.numel() - numel
             hi, lo = nibbles.split(raw[head:])
             coded = self.entropy.encode(hi.numpy().data.cast("B"), of_frame=raw.numel())
-            body = b"".join((body[:head], lo.numpy().data, coded))
-        elif self.entropy is not None:
+            return envelope.seal(self.tag, numel, prefix, body[:head], lo.numpy().data, coded)
+        if self.entropy is not None:
             body = self.entropy.encode(body)
-        return envelope.seal(self.tag, numel, prefix + body if prefix else body)
+        return envelope.seal(self.tag, numel, prefix, body)
 
     @property
     def device_ready(self) -> bool:
