@@ -17,7 +17,9 @@ Per case, over the measured rounds (the first is left out):
 - ``overhead_s``: median time between consecutive round ends (the sites compute nothing, so
   the whole round is outer-sync overhead);
 - ``floor_s``: the same compressed bytes (every site's push and pull) streamed over a raw
-  loopback gRPC stream up and down, plus four ``copy_`` passes over the fp32 model;
+  loopback gRPC stream up and down, plus four ``copy_`` passes over the fp32 model; the median
+  of ``FLOOR_SAMPLES`` measurements (``floor_samples_s``), as the overhead is a median of
+  rounds: one measurement alone moved by up to 2.6x between runs on this project's VM;
 - ``coordinator_peak_rss_bytes``: the coordinator's VmHWM over its whole life, start-up
   included (its dry step trains a throwaway model once: model, gradient and AdamW state);
 - ``serving_peak_rss_bytes``: its VmHWM from the moment it serves (reset then through
@@ -68,6 +70,7 @@ HERE = Path(__file__).resolve().parent
 CODEC = "q8|zstd:1"
 CHUNK = 1 << 20
 PROBE_S = 0.05
+FLOOR_SAMPLES = 3  # floor measurements per case, of which the median is floor_s
 SITE_NICENESS = 10  # relative to the coordinator and the probe, where SCHED_IDLE is refused
 AUTOGROUP_NICENESS = 19  # of each site's session (lower_priority)
 
@@ -421,12 +424,13 @@ def run_case(params: int, sites: int, rounds: int, workdir: Path) -> dict[str, A
     events = (run_dir / "events.jsonl").read_text().splitlines()
     up = [int(statistics.mean(r["sent"] for r in site[1:] or site)) for site in per_site]
     down = [int(statistics.mean(r["received"] for r in site[1:] or site)) for site in per_site]
-    floor = raw_stream_s(up, down, CHUNK) + copy_passes_s(params)
+    floors = [raw_stream_s(up, down, CHUNK) + copy_passes_s(params) for _ in range(FLOOR_SAMPLES)]
     return {
         "params": params,
         "sites": sites,
         "overhead_s": round(statistics.median(periods or [ends[0] - per_site[0][0]["t0"]]), 3),
-        "floor_s": round(floor, 3),
+        "floor_s": round(statistics.median(floors), 3),
+        "floor_samples_s": [round(f, 3) for f in floors],
         "coordinator_peak_rss_bytes": rss,
         "serving_peak_rss_bytes": serving_rss,
         "max_loop_stall_ms": round(1000 * max(stalls), 1),

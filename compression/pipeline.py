@@ -264,11 +264,19 @@ class Pipeline:
         raw, kept = self._unpack(data, numel, place)
         return self._values(raw, numel, kept)
 
-    def unpack(self, data: bytes | memoryview, numel: int, place: Place | None = None) -> torch.Tensor:
+    def unpack(
+        self,
+        data: bytes | memoryview,
+        numel: int,
+        place: Place | None = None,
+        scratch: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The frame's raw bytes (its body after the entropy stage: value codes, scales, indices),
         checked for size; :meth:`decode_raw` gives its values. A receiver that needs the values
-        twice keeps these and undoes the entropy stage once."""
-        return self._unpack(data, numel, place)[0]
+        twice keeps these and undoes the entropy stage once. A nibble-split frame's bytes are
+        joined into ``scratch`` (host uint8) where it is large enough: a receiver decoding chunk
+        after chunk reuses its pages instead of taking fresh ones per chunk."""
+        return self._unpack(data, numel, place, scratch)[0]
 
     def decode_raw(self, raw: torch.Tensor, numel: int, place: Place | None = None) -> torch.Tensor:
         """The fp32 values of raw bytes from :meth:`unpack` (or the encoder's, before framing)."""
@@ -319,7 +327,7 @@ class Pipeline:
         return self.raw_size(numel)
 
     def _unpack(
-        self, data: bytes | memoryview, numel: int, place: Place | None
+        self, data: bytes | memoryview, numel: int, place: Place | None, scratch: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         body = envelope.open_frame(data, self.tag, numel, self.spec)
         kept: torch.Tensor | None = None
@@ -328,7 +336,7 @@ class Pipeline:
             kept = self.sparsifier.select(place, numel)
         size = self._body_size(numel, kept)
         if self.splits_nibbles:
-            return self._join_nibbles(body, size, numel), kept
+            return self._join_nibbles(body, size, numel, scratch), kept
         if self.entropy is not None:
             body = memoryview(self.entropy.decode(body, size))
         elif len(body) != size:
@@ -353,7 +361,9 @@ class Pipeline:
         out[kept] = self.values.decode(raw, kept.numel())
         return out
 
-    def _join_nibbles(self, body: memoryview, size: int, numel: int) -> torch.Tensor:
+    def _join_nibbles(
+        self, body: memoryview, size: int, numel: int, scratch: torch.Tensor | None
+    ) -> torch.Tensor:
         """The raw bytes of a nibble-split frame body: steps, low nibbles, zstd of the high ones."""
         assert self.entropy is not None
         head, half = size - numel, nibbles.half_size(numel)
@@ -361,7 +371,8 @@ class Pipeline:
             raise CodecError(
                 f"{self.spec}: frame body is {len(body)} bytes, shorter than its {head + half} stored"
             )
-        raw = torch.empty(size, dtype=torch.uint8)
+        fits = scratch is not None and scratch.numel() >= size
+        raw = scratch[:size] if scratch is not None and fits else torch.empty(size, dtype=torch.uint8)
         raw.numpy()[:head] = memoryview(body[:head])
         hi = self.entropy.decode(body[head + half :], half)
         nibbles.join(hi, body[head : head + half], raw[head:])

@@ -35,6 +35,7 @@ def test_scale_smoke_writes_every_key_and_a_plot(tmp_path: Path) -> None:
     row = rows[0]
     assert row["params"] == 200_000 and row["sites"] == 2
     assert row["overhead_s"] > 0 and row["floor_s"] > 0 and row["coordinator_peak_rss_bytes"] > 0
+    assert len(row["floor_samples_s"]) == 3 and sorted(row["floor_samples_s"])[1] == row["floor_s"]
     assert 0 < row["serving_peak_rss_bytes"] <= row["coordinator_peak_rss_bytes"]
     assert row["disk_bytes_per_round"] <= 2 * row["update_bytes"]  # between snapshots: the update only
     assert row["lease_expiries"] == 0

@@ -117,3 +117,19 @@ def test_roundtrip_values_are_the_decoded_frame_and_never_alias_the_input(spec: 
     before = values.clone()
     x.sub_(values)
     assert torch.equal(values, before)
+
+
+@pytest.mark.parametrize("spec", ["q8|zstd:1", "q8:32|zstd:3"])
+def test_unpack_into_scratch_gives_the_same_bytes_in_the_scratch(spec: str) -> None:
+    """A nibble-split frame (q8 with zstd) is joined into the scratch given (a receiver's reused
+    buffer) where it fits, else into fresh memory: the same raw bytes either way."""
+    pipeline, place = parse_pipeline(spec), Place.span(3, 0, 5000)
+    frame = pipeline.encode(torch.randn(5000), place)
+    fresh = pipeline.unpack(frame, 5000, place)
+    scratch = torch.full((fresh.numel() + 7,), 0xAB, dtype=torch.uint8)
+    joined = pipeline.unpack(frame, 5000, place, scratch)
+    assert torch.equal(joined, fresh)
+    assert joined.data_ptr() == scratch.data_ptr()
+    small = torch.zeros(fresh.numel() - 1, dtype=torch.uint8)
+    assert torch.equal(pipeline.unpack(frame, 5000, place, small), fresh)
+    assert torch.equal(small, torch.zeros_like(small))  # too small: left alone
