@@ -30,6 +30,7 @@ from geodiloco.coordinator.rundir import lock_run_dir
 from geodiloco.coordinator.service import AdminServicer, OuterSyncServicer
 from geodiloco.coordinator.unbuffered import drop_read_ahead
 from geodiloco.metrics import MetricsServer, serve_metrics
+from geodiloco.pages import keep_freed_pages
 from geodiloco.params import flatten_parameters
 from geodiloco.security.policy import ServerSecurity, is_loopback
 from geodiloco.security.sealing import Keyring
@@ -282,6 +283,7 @@ async def serve(cfg: RunConfig, opts: ServeOptions) -> None:
     # the event loop sooner, so heartbeats and pulls are answered while they work.
     sys.setswitchinterval(0.001)
     limit_arenas()  # before the server's threads allocate: see coordinator/arenas.py
+    keep_freed_pages()  # the same: see geodiloco/pages.py
     clock = StartupClock(time.monotonic())
     if opts.started is not None:
         clock.last = opts.started

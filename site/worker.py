@@ -41,6 +41,7 @@ from geodiloco.distributed import DEVICES, init_rank, shutdown_distributed
 from geodiloco.lifecycle import GracefulStop
 from geodiloco.logs import setup_logging
 from geodiloco.metrics import SiteTelemetry
+from geodiloco.pages import keep_freed_pages
 from geodiloco.security.chunks import KeyMismatch
 from geodiloco.security.secrets import load_secret
 from geodiloco.security.tls import TlsFiles
@@ -58,7 +59,6 @@ from geodiloco.site.layout import (
     precision_problem,
 )
 from geodiloco.site.outer_sync import OuterSync
-from geodiloco.site.pages import keep_freed_pages
 from geodiloco.workload.steps import evaluate_batches, inner_step
 
 log = logging.getLogger("geodiloco.site")
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--streams", type=int, default=1)
     args = parser.parse_args(argv)
     die_with_parent()
-    keep_freed_pages()  # before gRPC's threads allocate: see site/pages.py
+    keep_freed_pages()  # before gRPC's threads allocate: see geodiloco/pages.py
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(site=args.site, rank=rank)
     layout = ParallelConfig.parse(args.layout, int(os.environ.get("WORLD_SIZE", "1")), args.mixed_precision)

@@ -1,4 +1,4 @@
-"""A site rank keeps freed buffers for reuse instead of faulting in fresh pages each round."""
+"""A process keeps freed buffers for reuse instead of faulting in fresh pages each round."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the t
 # minor page faults after the first burst are the pages the allocator gave back and took anew.
 BURSTS = """
 import resource, sys
-from geodiloco.site.pages import keep_freed_pages
+from geodiloco.pages import keep_freed_pages
 if sys.argv[1] == "kept":
     print(keep_freed_pages())
 def burst():
