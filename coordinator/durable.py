@@ -4,15 +4,18 @@ A file is written to a temporary name, fsynced, renamed over the previous one an
 fsynced, so after a crash at any moment it holds either the previous or the new content, whole.
 Content is streamed (:class:`DurableWriter`): a writer need not know the payload's length or
 checksum up front, so a round's update is logged while it is still being computed, and writing
-or reading a snapshot of a model of any size costs one segment of memory beyond the tensors.
+a snapshot of a model of any size costs one segment of memory beyond the tensors.
 
 A state's payload is a small skeleton (plain containers, read with
 ``torch.load(weights_only=True)``: never arbitrary pickled objects) followed by the raw bytes of
-its tensors, each after a few zero bytes that put it at a page-aligned offset of an unsealed file.
-Files are written and read past the page cache (:mod:`.unbuffered`). An unsealed file is read
-whole into page-aligned memory and verified before anything in it is parsed; its large tensors
-are then views of that memory, not copies. Files written by earlier versions (tensors not
-aligned, checksum or segment count in a header, or one ``torch.save`` payload) are still read.
+its tensors, each after a few zero bytes that put it at a page-aligned offset of the memory a
+reader gives the payload. Files are written and read past the page cache (:mod:`.unbuffered`).
+Reading verifies the whole payload before anything in it is parsed: an unsealed file is read
+whole into page-aligned memory (its checksum then checked), a sealed one is opened segment by
+segment into page-aligned memory; the large tensors of a state are then views of that memory,
+not copies, so reading costs the tensors and no more (plus, after a read ahead, the file's
+bytes until they are opened). Files written by earlier versions (tensors not aligned, checksum
+or segment count in a header, or one ``torch.save`` payload) are still read.
 
 When the run seals its payloads (it has a run secret), these files are sealed too: AES-256-GCM
 under a key derived from the run secret for this run, in segments of ``SEGMENT_BYTES``, each
@@ -46,6 +49,7 @@ from geodiloco.coordinator.unbuffered import (
     BLOCK,
     UnbufferedFile,
     UnbufferedReader,
+    page_aligned,
     read_whole,
     taken_ahead,
 )
@@ -84,8 +88,7 @@ def save_state(path: Path, state: dict[str, Any], sealer: Sealer | None = None) 
     with DurableWriter(path, sealer, STATE_LABEL) as out:
         out.write(RAW_MAGIC + struct.pack("<Q", meta.tell()) + meta.getvalue())
         for t in tensors:
-            at = out.file_offset
-            pad = 0 if at is None else -(at + _PAD.size) % BLOCK  # sealed: offsets are not the file's
+            pad = -(out.memory_offset + _PAD.size) % BLOCK
             out.write(_PAD.pack(pad) + bytes(pad))
             out.write(_bytes_of(t))
         out.commit()
@@ -151,9 +154,11 @@ class DurableWriter:
             self._file.write(_SEALED_HEADER.pack(SEALED_MAGIC, sealer.key_id, SEGMENT_BYTES))
 
     @property
-    def file_offset(self) -> int | None:
-        """Where the next payload byte lands in the file; None when sealed (segments move it)."""
-        return None if self._sealer is not None else len(MAGIC) + self.length
+    def memory_offset(self) -> int:
+        """Where the next payload byte lands in the page-aligned memory a reader reads the file
+        into: an unsealed file is read whole (its offset in the file), a sealed one is opened into
+        memory of its own (its offset in the payload)."""
+        return self.length if self._sealer is not None else len(MAGIC) + self.length
 
     def write(self, piece: bytes | bytearray | memoryview) -> None:
         assert self._file is not None, "written after commit"
@@ -231,10 +236,12 @@ def _payload(
             raise StateError(
                 f"{path} is sealed: start the coordinator with the run's --run-secret to resume from it"
             )
-        opened = _open_segments if magic == SEALED_MAGIC else _open_counted_segments
         ahead = taken_ahead(path)
         with UnbufferedReader(path) if ahead is None else _InMemory(ahead) as file:
-            yield _Reader(opened(path, file, file.size, sealer, label))
+            if magic == SEALED_MAGIC:
+                yield _MemoryReader(path, _open_sealed(path, file, file.size, sealer, label, into))
+            else:
+                yield _Reader(_open_counted_segments(path, file, file.size, sealer, label))
         return
     if magic in (MAGIC, MAGIC_HEADED, MAGIC_SHA256):
         if sealer is not None:
@@ -281,33 +288,43 @@ def _check_segment_bytes(path: Path, segment_bytes: int) -> None:
         raise CorruptStateError(f"{path}: segment length {segment_bytes} out of range (altered)")
 
 
-def _open_segments(
-    path: Path, f: UnbufferedReader | _InMemory, size: int, sealer: Sealer, label: str
-) -> Iterator[bytes]:
-    """The segments of a sealed file, each verified as it is read: every segment but the last is
-    ``segment_bytes`` long, so the file's size says where each ends and which is the last."""
+def _open_sealed(
+    path: Path,
+    f: UnbufferedReader | _InMemory,
+    size: int,
+    sealer: Sealer,
+    label: str,
+    into: mmap.mmap | None,
+) -> memoryview:
+    """The payload of a sealed file, every segment verified and opened straight into page-aligned
+    memory (``into``'s where it fits): every segment but the last is ``segment_bytes`` long, so
+    the file's size says where each ends, which is the last, and how long the payload is."""
     if size < _SEALED_HEADER.size:
         raise CorruptStateError(f"{path}: shorter than its header")
     _, key_id, segment_bytes = _SEALED_HEADER.unpack(f.read(_SEALED_HEADER.size))
     _check_key(path, key_id, sealer)
     _check_segment_bytes(path, segment_bytes)
-    left, index = size - _SEALED_HEADER.size, 0
-    while True:
-        take = min(left, NONCE_BYTES + segment_bytes + TAG_BYTES)
-        if take < NONCE_BYTES + TAG_BYTES:
-            raise CorruptStateError(f"{path}: ends inside segment {index} (truncated or altered)")
+    whole, left = NONCE_BYTES + segment_bytes + TAG_BYTES, size - _SEALED_HEADER.size
+    count = max(1, -(-left // whole))
+    length = left - count * (NONCE_BYTES + TAG_BYTES)
+    if length < 0 or left - (count - 1) * whole < NONCE_BYTES + TAG_BYTES:
+        raise CorruptStateError(f"{path}: ends inside segment {count - 1} (truncated or altered)")
+    payload = memoryview(into if into is not None and len(into) >= length else page_aligned(length))[:length]
+    at = 0
+    for index in range(count):
+        take = min(left, whole)
         left -= take
         nonce, sealed = f.read(NONCE_BYTES), f.read(take - NONCE_BYTES)
+        opened = payload[at : at + take - NONCE_BYTES - TAG_BYTES]
         try:
-            yield sealer.open(nonce, sealed, _segment_aad(label, index, segment_bytes, left == 0))
+            sealer.open_into(nonce, sealed, _segment_aad(label, index, segment_bytes, left == 0), opened)
         except SealError:
             raise CorruptStateError(
                 f"{path}: segment {index} does not authenticate (truncated or altered, or not this "
                 "run's file)"
             ) from None
-        if left == 0:
-            return
-        index += 1
+        at += opened.nbytes
+    return payload
 
 
 def _open_counted_segments(
@@ -443,14 +460,15 @@ class _Reader:
 
 
 class _InMemory(contextlib.AbstractContextManager["_InMemory"]):
-    """A file's bytes already read (:func:`.unbuffered.read_ahead`), read like the file."""
+    """A file's bytes already read (:func:`.unbuffered.read_ahead`), read like the file (as
+    views of them, not copies)."""
 
     def __init__(self, data: memoryview) -> None:
         self._data, self._at, self.size = data, 0, data.nbytes
 
-    def read(self, n: int) -> bytes:
+    def read(self, n: int) -> memoryview:
         self._at += n
-        return bytes(self._data[self._at - n : self._at])
+        return self._data[self._at - n : self._at]
 
     def __exit__(self, *exc: object) -> None:
         self._data.release()

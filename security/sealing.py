@@ -23,6 +23,7 @@ from geodiloco.security.secrets import hkdf, site_secret
 
 NONCE_BYTES = 12
 TAG_BYTES = 16
+Buffer = bytes | bytearray | memoryview  # what a nonce or a sealed payload may be handed in
 DIRECTIONS = ("up", "down")
 FILE_MAGIC = b"GDLSEAL1"
 
@@ -83,18 +84,41 @@ class Sealer:
         nonce = os.urandom(NONCE_BYTES)
         return nonce, self._aead.encrypt(nonce, payload, aad)
 
-    def open(self, nonce: bytes | bytearray, sealed: bytes | bytearray, aad: bytes) -> bytes:
-        if len(nonce) != NONCE_BYTES:
-            raise SealError(f"nonce must be {NONCE_BYTES} bytes, got {len(nonce)}")
-        if len(sealed) < TAG_BYTES:
-            raise SealError(f"sealed payload of {len(sealed)} bytes is shorter than its tag")
+    def open(
+        self, nonce: bytes | bytearray | memoryview, sealed: bytes | bytearray | memoryview, aad: bytes
+    ) -> bytes:
+        _check_sizes(nonce, sealed)
         try:
             return self._aead.decrypt(nonce, sealed, aad)
         except InvalidTag:
-            raise SealError(
-                "authentication tag mismatch: the payload was altered, moved to another "
-                "round/fragment/site/position, or sealed with another key"
-            ) from None
+            raise SealError(_MISMATCH) from None
+
+    def open_into(self, nonce: Buffer, sealed: Buffer, aad: bytes, out: memoryview) -> None:
+        """:meth:`open` written into ``out`` (exactly the payload's size), not a new buffer: a
+        restart opens hundreds of megabytes of state straight into the memory it keeps."""
+        _check_sizes(nonce, sealed)
+        if len(out) != len(sealed) - TAG_BYTES:
+            raise SealError(f"{len(out)} bytes to open {len(sealed) - TAG_BYTES} into")
+        try:
+            if hasattr(self._aead, "decrypt_into"):  # cryptography >= 45
+                self._aead.decrypt_into(nonce, sealed, aad, out)
+            else:
+                out[:] = self._aead.decrypt(nonce, sealed, aad)
+        except InvalidTag:
+            raise SealError(_MISMATCH) from None
+
+
+_MISMATCH = (
+    "authentication tag mismatch: the payload was altered, moved to another "
+    "round/fragment/site/position, or sealed with another key"
+)
+
+
+def _check_sizes(nonce: Buffer, sealed: Buffer) -> None:
+    if len(nonce) != NONCE_BYTES:
+        raise SealError(f"nonce must be {NONCE_BYTES} bytes, got {len(nonce)}")
+    if len(sealed) < TAG_BYTES:
+        raise SealError(f"sealed payload of {len(sealed)} bytes is shorter than its tag")
 
 
 def key_id(site_secret: bytes, run_id: str) -> int:

@@ -222,10 +222,13 @@ def test_unsealed_state_is_checksummed_and_earlier_sha256_files_still_read(tmp_p
         load_state(path)
 
 
-def test_large_tensors_load_as_aligned_views_of_the_file_read_once(tmp_path: Path) -> None:
-    """Each tensor is padded to a page-aligned offset of the file, which is read whole into
-    page-aligned memory: a large tensor is that memory (no copy), wherever it falls after an odd
-    skeleton and odd-sized tensors; a small one is a copy (it would hold the whole file alive)."""
+@pytest.mark.parametrize("sealed", [False, True])
+def test_large_tensors_load_as_aligned_views_of_the_file_read_once(tmp_path: Path, sealed: bool) -> None:
+    """Each tensor is padded to a page-aligned offset of the memory the file is read (unsealed)
+    or opened (sealed) into: a large tensor is that memory (no copy), wherever it falls after an
+    odd skeleton and odd-sized tensors; a small one is a copy (it would hold the whole file
+    alive)."""
+    key = sealer() if sealed else None
     big = durable.VIEW_BYTES // 4 + 3
     state = {
         "round": 7,
@@ -234,11 +237,11 @@ def test_large_tensors_load_as_aligned_views_of_the_file_read_once(tmp_path: Pat
         "m": torch.randn(big),
     }
     path = tmp_path / STATE_FILE
-    save_state(path, state)
-    loaded = load_state(path)
+    save_state(path, state, key)
+    loaded = load_state(path, key)
     assert loaded is not None
-    for key in ("odd", "theta", "m"):
-        assert torch.equal(loaded[key], state[key])
+    for name in ("odd", "theta", "m"):
+        assert torch.equal(loaded[name], state[name])
     views = [loaded["theta"], loaded["m"]]
     assert all(t.data_ptr() % 4096 == 0 for t in views)
     assert views[1].data_ptr() - views[0].data_ptr() == -(-(big * 4 + 8) // 4096) * 4096  # one read

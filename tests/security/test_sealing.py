@@ -146,3 +146,22 @@ def test_key_objects_never_print_their_secrets() -> None:
     text = repr(ring) + repr(ring.site("site-a")) + repr(ring.at_rest("state"))
     assert RUN_SECRET.hex() not in text and site_secret(RUN_SECRET, "site-a").hex() not in text
     assert "run" in text
+
+
+def test_open_into_writes_the_payload_where_it_is_told_and_refuses_what_open_refuses() -> None:
+    """A restart opens its state straight into the memory it keeps: the same bytes open() gives,
+    in the buffer given, and the same refusals (another label, a flipped byte, a wrong size)."""
+    key = Keyring(RUN_SECRET, "run").at_rest("state")
+    payload = os.urandom(5000)
+    nonce, sealed = key.seal(payload, b"label")
+    out = bytearray(len(payload) + 8)
+    key.open_into(nonce, memoryview(sealed), b"label", memoryview(out)[4:-4])
+    assert bytes(out[4:-4]) == key.open(nonce, sealed, b"label") == payload
+    assert out[:4] == out[-4:] == bytes(4)  # nothing written outside
+    flipped = bytearray(sealed)
+    flipped[7] ^= 1
+    for args in ((sealed, b"other"), (bytes(flipped), b"label")):
+        with pytest.raises(SealError, match="authentication tag mismatch"):
+            key.open_into(nonce, args[0], args[1], memoryview(bytearray(len(payload))))
+    with pytest.raises(SealError, match="to open"):
+        key.open_into(nonce, sealed, b"label", memoryview(bytearray(len(payload) - 1)))
