@@ -175,7 +175,7 @@ def _take_ahead(path: Path, identity: _Identity) -> memoryview | None:
         return None
     try:
         return started[1].result()
-    except OSError:
+    except Exception:
         return None  # read again, and meet the error there
 
 
@@ -192,7 +192,7 @@ def read_ahead(path: Path) -> None:
     def read() -> None:
         try:
             done.set_result(_read_fd(fd, identity.size, None))
-        except OSError as exc:
+        except BaseException as exc:  # whatever it is (out of memory too), the reader is not left waiting
             done.set_exception(exc)
         finally:
             os.close(fd)

@@ -112,3 +112,23 @@ def test_a_read_ahead_is_taken_only_for_the_same_file(tmp_path: Path) -> None:
 
 def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def test_a_read_ahead_that_failed_is_read_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever stopped the read ahead (here out of memory), the reader is not left waiting on it:
+    it reads the file itself."""
+    path = tmp_path / "state"
+    path.write_bytes(b"bytes" * 1000)
+    real = unbuffered._read_fd
+    calls = []
+
+    def failing_once(*args: object) -> memoryview:
+        calls.append(args)
+        if len(calls) == 1:
+            raise MemoryError("no room for the read ahead")
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(unbuffered, "_read_fd", failing_once)
+    read_ahead(path)
+    assert bytes(read_whole(path)) == b"bytes" * 1000
+    assert len(calls) == 2
