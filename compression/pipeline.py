@@ -371,8 +371,10 @@ class Pipeline:
             raise CodecError(
                 f"{self.spec}: frame body is {len(body)} bytes, shorter than its {head + half} stored"
             )
-        fits = scratch is not None and scratch.numel() >= size
-        raw = scratch[:size] if scratch is not None and fits else torch.empty(size, dtype=torch.uint8)
+        if scratch is not None and scratch.numel() >= size:
+            raw = scratch[:size]
+        else:
+            raw = torch.empty(size, dtype=torch.uint8)
         raw.numpy()[:head] = memoryview(body[:head])
         hi = self.entropy.decode(body[head + half :], half)
         nibbles.join(hi, body[head : head + half], raw[head:])

@@ -215,8 +215,8 @@ class DurableWriter:
 def read_payload(
     path: Path, sealer: Sealer | None, label: str, into: mmap.mmap | None = None
 ) -> bytes | memoryview:
-    """The whole verified payload of ``path``. An unsealed one is read into ``into`` where it
-    fits (a view of it is returned), so that a caller reading file after file, as a restart's
+    """The whole verified payload of ``path``, read (or opened, when sealed) into ``into`` where
+    it fits (a view of it is returned), so that a caller reading file after file, as a restart's
     replay does, reuses its pages: fresh ones cost half the read (0.21 against 0.11 s for a
     98 MB update on this project's VM)."""
     with _payload(path, sealer, label, into) as reader:
@@ -227,8 +227,9 @@ def read_payload(
 def _payload(
     path: Path, sealer: Sealer | None, label: str, into: mmap.mmap | None = None
 ) -> Iterator[_Reader | _MemoryReader]:
-    """A reader of ``path``'s payload, after the checks of its kind: a sealed file is verified
-    segment by segment as it is read, a checksummed one whole before it is returned."""
+    """A reader of ``path``'s payload, after the checks of its kind: the whole payload is verified
+    (every segment of a sealed file, the checksum of an unsealed one) before the reader is
+    returned, except in the earliest sealed format, verified segment by segment as it is read."""
     with open(path, "rb") as f:
         magic = f.read(8)
     if magic in (SEALED_MAGIC, SEALED_MAGIC_COUNTED):
