@@ -31,20 +31,21 @@ def codec_tag(canonical_spec: str) -> int:
     return zlib.crc32(canonical_spec.encode())
 
 
-def checksum(body: bytes | memoryview) -> int:
-    """The low 32 bits of XXH3-64 (seed 0) of ``body``."""
-    return xxhash.xxh3_64_intdigest(body) & 0xFFFFFFFF
+def checksum(*body: bytes | memoryview) -> int:
+    """The low 32 bits of XXH3-64 (seed 0) of ``body``, which may come in pieces."""
+    if len(body) == 1:
+        return xxhash.xxh3_64_intdigest(body[0]) & 0xFFFFFFFF
+    digest = xxhash.xxh3_64()
+    for piece in body:
+        digest.update(piece)
+    return digest.intdigest() & 0xFFFFFFFF
 
 
 def seal(tag: int, numel: int, *body: bytes | memoryview) -> bytes:
     """Header + body, the body given in pieces: joined once, with the header."""
     if numel > MAX_ELEMENTS:
         raise CodecError(f"a chunk holds at most {MAX_ELEMENTS} elements, got {numel}")
-    digest = xxhash.xxh3_64()
-    for piece in body:
-        digest.update(piece)
-    crc = digest.intdigest() & 0xFFFFFFFF  # checksum() of the joined body
-    return b"".join((_HEADER.pack(MAGIC, VERSION, 0, tag, numel, crc), *body))
+    return b"".join((_HEADER.pack(MAGIC, VERSION, 0, tag, numel, checksum(*body)), *body))
 
 
 def open_frame(data: bytes | memoryview, tag: int, numel: int, spec: str) -> memoryview:

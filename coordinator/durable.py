@@ -34,7 +34,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -120,15 +120,6 @@ def _read_state(path: Path, reader: _Reader | _MemoryReader) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CorruptStateError(f"{path}: not a coordinator state")
     return state
-
-
-def write_stream(path: Path, pieces: Iterable[memoryview], sealer: Sealer | None, label: str) -> int:
-    """Write the payload ``pieces`` to ``path`` atomically (see the module docstring); returns the
-    bytes written."""
-    with DurableWriter(path, sealer, label) as out:
-        for piece in pieces:
-            out.write(piece)
-        return out.commit()
 
 
 class DurableWriter:

@@ -158,6 +158,8 @@ def read_whole(path: Path, into: mmap.mmap | None = None) -> memoryview:
 
 def taken_ahead(path: Path) -> memoryview | None:
     """The bytes :func:`read_ahead` read of ``path`` if it is still that file, else None."""
+    if not _ahead:  # nothing read ahead (every read but a restart's first): no file to open
+        return None
     try:
         fd = _open(path, os.O_RDONLY)
     except OSError:

@@ -142,7 +142,9 @@ def test_streamed_payloads_of_any_length_read_back(
 
 def test_an_uncommitted_writer_leaves_the_previous_file(tmp_path: Path) -> None:
     path = tmp_path / "f"
-    durable.write_stream(path, [memoryview(b"before")], None, "label")
+    with durable.DurableWriter(path, None, "label") as out:
+        out.write(b"before")
+        out.commit()
     with durable.DurableWriter(path, None, "label") as out:
         out.write(b"after")
     assert durable.read_payload(path, None, "label") == b"before"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from geodiloco.coordinator import updatelog
-from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError, write_stream
+from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError, DurableWriter
 from geodiloco.coordinator.replay import committed_parameters
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.params import state_hash
@@ -137,7 +137,10 @@ def test_an_update_logged_by_an_earlier_version_still_reads(tmp_path: Path) -> N
     head = json.dumps(meta).encode()
     pieces = [struct.pack("<Q", len(head)) + head, *(x.payload for x in logged.chunks)]
     path = updatelog.update_path(tmp_path, 1)
-    write_stream(path, [memoryview(p) for p in pieces], None, "coordinator-update:1")
+    with DurableWriter(path, None, "coordinator-update:1") as out:
+        for piece in pieces:
+            out.write(piece)
+        out.commit()
     assert updatelog.read_update(tmp_path, 1, None) == logged
     assert torch.equal(controller(tmp_path).theta, c.theta)
 
