@@ -5,7 +5,7 @@ Run:  nice -n 10 .venv/bin/python benchmarks/scale.py --json runs/scale.json
 
 For each case (parameters x sites) this starts a real coordinator process (`geodiloco
 coordinator serve`, plaintext loopback, durable run directory) whose model is one flat seeded
-parameter of the case's size (``workload.model = scale:build_flat_model``), and one synthetic
+parameter of the case's size (``workload.model = scale_model:build_flat_model``), and one synthetic
 site process per site. A synthetic site trains nothing: each round it pushes a seeded
 pseudo-gradient through the real client (encoded chunk by chunk as the stream sends it),
 pulls the committed update, decodes it and adds and hashes it chunk by chunk as a site
@@ -57,7 +57,6 @@ from typing import Any
 
 import grpc
 import torch
-from torch import nn
 
 from geodiloco.compression import EncodedChunk, Place, parse_pipeline
 from geodiloco.config import RunConfig
@@ -75,22 +74,6 @@ SITE_NICENESS = 10  # relative to the coordinator and the probe, where SCHED_IDL
 AUTOGROUP_NICENESS = 19  # of each site's session (lower_priority)
 
 
-class FlatModel(nn.Module):
-    def __init__(self, numel: int, seed: int) -> None:
-        super().__init__()
-        gen = torch.Generator().manual_seed(seed)
-        self.flat = nn.Parameter(torch.randn(numel, generator=gen) * 0.02)
-
-    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
-        """A loss for the coordinator's dry step (workload.loss = model loss); nothing trains."""
-        return self.flat[:1].square().sum()
-
-
-def build_flat_model(cfg: RunConfig) -> nn.Module:
-    """The benchmark's model: one flat parameter of ``workload.options.params`` elements."""
-    return FlatModel(int(cfg.workload.options["params"]), cfg.seed)
-
-
 def run_config(params: int, sites: int, rounds: int) -> RunConfig:
     return RunConfig.from_dict(
         {
@@ -106,7 +89,7 @@ def run_config(params: int, sites: int, rounds: int) -> RunConfig:
             "outer": {"optimizer": "nesterov", "lr": 0.7, "momentum": 0.9},
             "compression": {"uplink": CODEC, "downlink": CODEC, "chunk_elements": CHUNK},
             "workload": {
-                "model": "scale:build_flat_model",
+                "model": "scale_model:build_flat_model",
                 "loss": "geodiloco.workload.loss:build_model_loss",
                 "options": {"params": params},
             },

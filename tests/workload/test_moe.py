@@ -3,6 +3,9 @@ experts that no token reached."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,3 +174,14 @@ def test_reference_optimizer_holds_unreached_experts() -> None:
     model = build_model(cfg)
     optimizer = build_optimizer(model, cfg)
     assert optimizer._optimizer_step_pre_hooks and optimizer._optimizer_step_post_hooks
+
+
+def test_the_reference_workload_leaves_dtensor_unimported() -> None:
+    """The coordinator reads the reference workload to build θ_0 and the data's shard sizes;
+    DTensor's imports (sympy among them) would add about 40 MB to its memory for nothing."""
+    code = (
+        "import sys, geodiloco.coordinator.server, geodiloco.workload.reference; "
+        "print(sorted(m for m in ('sympy', 'torch.distributed.tensor') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from geodiloco.workload.model import VOCAB_SIZE, CausalSelfAttention
 
@@ -215,6 +214,10 @@ def build_moe(cfg: ModelConfig, seed: int) -> MoEGPT:
 
 def _expert_rows(p: torch.Tensor) -> torch.Tensor:
     """The rows (experts) of a stacked expert parameter this rank holds, as a plain tensor."""
+    # Imported here: at module level it would add DTensor's imports (sympy among them, 40 MB
+    # and 0.25 s) to every process that reads the reference workload, the coordinator included.
+    from torch.distributed.tensor import DTensor
+
     return p.to_local() if isinstance(p, DTensor) else p
 
 
