@@ -21,7 +21,8 @@ Per case, over the measured rounds (the first is left out):
   of ``FLOOR_SAMPLES`` measurements (``floor_samples_s``), as the overhead is a median of
   rounds: one measurement alone moved by up to 2.6x between runs on this project's VM;
 - ``coordinator_peak_rss_bytes``: the coordinator's VmHWM over its whole life, start-up
-  included (its dry step trains a throwaway model once: model, gradient and AdamW state);
+  included (below ``DRY_STEP_APART_PARAMS``, the --smoke case, its dry step's throwaway
+  model, gradient and AdamW state count here; from there on that step runs in a child);
 - ``serving_peak_rss_bytes``: its VmHWM from the moment it serves (reset then through
   ``/proc/PID/clear_refs``) to the last round: what rounds and sites cost;
 - ``max_loop_stall_ms``: the longest Heartbeat round trip of a probe calling every 50 ms;
