@@ -39,6 +39,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy -p geodiloco
+	$(BIN)/lint-imports
 
 protos: setup
 	PATH=$(BIN):$$PATH scripts/gen_protos.sh

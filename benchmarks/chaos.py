@@ -41,13 +41,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from geodiloco.app.status import fetch_status, request_shutdown
+from geodiloco.app.wan import LinkConfig, ProxyThread
 from geodiloco.config import RunConfig
+from geodiloco.coordinator.edge.server import data_shard_sizes
 from geodiloco.coordinator.ledger import ConsumedRecord, check_exactly_once
-from geodiloco.coordinator.server import data_shard_sizes
 from geodiloco.faults import FAULT_PLAN_ENV, Fault, FaultPlan, fired
-from geodiloco.processes import kill_tree, spawn_geodiloco
-from geodiloco.status import fetch_status, request_shutdown
-from geodiloco.wan import LinkConfig, ProxyThread
+from geodiloco.testing.processes import kill_tree, spawn_geodiloco
 from geodiloco.workload.data import DataRange
 
 POLL_S = 0.05
@@ -117,7 +117,7 @@ def free_port() -> int:
 
 
 def state_bytes(cfg: RunConfig) -> int:
-    from geodiloco.coordinator.server import initial_parameters
+    from geodiloco.coordinator.edge.server import initial_parameters
 
     return 4 * initial_parameters(cfg).numel()
 

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
+from geodiloco.app.demo import DemoOptions, demo_config
 from geodiloco.compression import Place, decode_chunks_into, encode_chunks, parse_pipeline
 from geodiloco.compression.envelope import HEADER_SIZE
-from geodiloco.demo import DemoOptions, demo_config
 from geodiloco.params import flatten_parameters
 from geodiloco.progress import Progress
 from geodiloco.security.sealing import NONCE_BYTES, Sealer

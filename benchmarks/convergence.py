@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
+from geodiloco.app.demo import DemoOptions, demo_config, run_diloco
 from geodiloco.compression import parse_pipeline
 from geodiloco.config import RunConfig
-from geodiloco.demo import DemoOptions, demo_config, run_diloco
 from geodiloco.params import num_parameters
 from geodiloco.progress import Progress
 from geodiloco.workload import (

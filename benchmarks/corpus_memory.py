@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from geodiloco.config import RunConfig
-from geodiloco.processes import descendants, kill_tree, spawn_geodiloco
+from geodiloco.testing.processes import descendants, kill_tree, spawn_geodiloco
 
-WORKER_MODULE = "geodiloco.site.worker"
+WORKER_MODULE = "geodiloco.site.daemon.worker"
 LETTERS = b"etaoin shrdlucmfwyp\n"
 POLL_S = 0.05
 TIMEOUT_S = 600.0
@@ -55,7 +55,8 @@ def peak_rss_mb(pid: int) -> float | None:
 
 
 def is_rank(pid: int) -> bool:
-    """A rank runs ``python -u -m geodiloco.site.worker`` (torchrun names that module too, later on)."""
+    """A rank runs ``python -u -m geodiloco.site.daemon.worker`` (torchrun names that module too,
+    later on)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:

@@ -3,7 +3,7 @@
 Run:  .venv/bin/python benchmarks/outer_sync.py --json runs/outer_sync.json
 
 For each layout (alternated, ``--repeats`` times) this starts a real coordinator process
-(plaintext on loopback) serving a one-site run, a WAN proxy in front of it (``geodiloco.wan``:
+(plaintext on loopback) serving a one-site run, a WAN proxy in front of it (``geodiloco.app.wan``:
 ``--bandwidth-mbps`` per TCP connection, i.e. per rank's link, and ``--latency-ms`` one way), and
 a torchrun site whose ranks run this file's ``--worker`` loop: the reference GPT made larger
 (``--n-layer``, ``--d-model``), ``--inner-steps`` inner steps per round, and around each outer
@@ -33,8 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from geodiloco.app.wan import LinkConfig, ProxyThread
 from geodiloco.config import RunConfig
-from geodiloco.wan import LinkConfig, ProxyThread
 
 SITE = "bench"
 # OuterSync's steps within one sync, timed from here by wrapping its methods (no library change):
@@ -222,16 +222,16 @@ def worker(args: argparse.Namespace) -> None:
     """One rank of the measured site (run by torchrun)."""
     from geodiloco.builders import build_data, build_model, build_optimizer
     from geodiloco.distributed import init_distributed, shutdown_distributed
-    from geodiloco.site.layout import ParallelConfig, build_mesh, data_parallel_rank, parallelize
-    from geodiloco.site.outer_sync import OuterSync
-    from geodiloco.site.worker import die_with_parent
+    from geodiloco.site import connect
+    from geodiloco.site.daemon.worker import die_with_parent
+    from geodiloco.site.parallel.layout import ParallelConfig, build_mesh, data_parallel_rank, parallelize
     from geodiloco.workload.steps import inner_step
 
     die_with_parent()  # killing torchrun (on a timeout) takes the ranks with it
     rank, world = init_distributed()
     layout = ParallelConfig.parse(args.layout, world)
     mesh = build_mesh(layout)
-    sync = OuterSync.connect(args.coordinator, SITE, data_parallel_size=layout.data_parallel)
+    sync = connect(args.coordinator, SITE, data_parallel_size=layout.data_parallel)
     cfg = sync.config
     model = build_model(cfg)
     trained = parallelize(model, layout, mesh)

@@ -1,5 +1,5 @@
 """How fast a run recovers, measured on the real system: a coordinator process and site processes
-(torchrun, gloo) on loopback, each site behind its own ``geodiloco.wan`` proxy.
+(torchrun, gloo) on loopback, each site behind its own ``geodiloco.app.wan`` proxy.
 
 Prints, measured (not modelled):
   1. site death: seconds from SIGKILL of a site's process group to the next round committed
@@ -38,12 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from geodiloco.app.status import fetch_status, request_shutdown
+from geodiloco.app.wan import LinkConfig, ProxyThread
 from geodiloco.config import RunConfig
-from geodiloco.processes import kill_tree, spawn_geodiloco
-from geodiloco.site.client import OuterSyncClient
+from geodiloco.site.edge.client import OuterSyncClient
 from geodiloco.site.outer_sync import CATCH_UP_ROUNDS
-from geodiloco.status import fetch_status, request_shutdown
-from geodiloco.wan import LinkConfig, ProxyThread
+from geodiloco.testing.processes import kill_tree, spawn_geodiloco
 
 POLL_S = 0.02
 WAIT_S = 240.0

@@ -64,7 +64,7 @@ from geodiloco.config import RunConfig
 from geodiloco.pages import keep_freed_pages
 from geodiloco.params import Checksum, add_encoded_and_hash
 from geodiloco.segment import Segment
-from geodiloco.site.client import Heartbeater, LazyChunks, OuterSyncClient, StreamFacts, WireChunk
+from geodiloco.site.edge.client import Heartbeater, LazyChunks, OuterSyncClient, StreamFacts, WireChunk
 
 HERE = Path(__file__).resolve().parent
 CODEC = "q8|zstd:1"

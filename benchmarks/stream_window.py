@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from geodiloco.wan import LinkConfig, ProxyThread
+from geodiloco.app.wan import LinkConfig, ProxyThread
 
 MESSAGE_BYTES = 4 << 20
 LIMIT = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]

@@ -3,7 +3,7 @@
 Run:  nice .venv/bin/python benchmarks/streaming.py --seeds 1 2 3 --json runs/streaming.json
 
 Two sites (threads) train the reference byte-level GPT against in-process round controllers
-(:mod:`geodiloco.site.local_link`: the real site loop, codecs, error feedback, fragment rounds
+(:mod:`geodiloco.testing.local_link`: the real site loop, codecs, error feedback, fragment rounds
 and hashes; no gRPC, no WAN). Every mode trains the same rounds x H steps x batch (equal
 tokens) from the same warm start (the model trained alone first, as the DiLoCo paper starts
 from a pretrained model); ``--seeds`` vary the runs' data order. The loss reported is the
@@ -31,9 +31,9 @@ import torch
 from geodiloco.builders import build_data, build_loss, build_model, build_optimizer
 from geodiloco.config import RunConfig
 from geodiloco.params import flatten_parameters, load_flat_parameters
-from geodiloco.site.fragments import FragmentPlan
-from geodiloco.site.local_link import LocalCoordinator
+from geodiloco.site.fragment_schedule import FragmentPlan
 from geodiloco.site.outer_sync import OuterSync
+from geodiloco.testing.local_link import LocalCoordinator
 from geodiloco.workload.data import DataRange
 from geodiloco.workload.steps import evaluate_batches, inner_step
 

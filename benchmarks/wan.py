@@ -3,7 +3,7 @@
 Run:  nice -n 10 .venv/bin/python benchmarks/wan.py --json runs/wan.json
 
 A coordinator process and two sites (torchrun, one rank each, gloo on the CPU) on loopback, each
-site behind its own WAN proxy (:mod:`geodiloco.wan`: bandwidth, 100 ms round trip, bounded
+site behind its own WAN proxy (:mod:`geodiloco.app.wan`: bandwidth, 100 ms round trip, bounded
 buffers). In one run, side by side:
 
 1. the same two sites training with no outer sync at all (same processes, model, data, eval
@@ -25,7 +25,7 @@ sender's encoding, sealing and decoding took from training.
 
 Each rank records its own timeline (inner steps, evals, the sender's busy spans) by wrapping
 the site daemon's functions in this script's rank entry (``_rank``), which then runs the real
-daemon (:mod:`geodiloco.site.worker`). ``--smoke`` (a tiny model, 2 rounds, a 2x faster link)
+daemon (:mod:`geodiloco.site.daemon.worker`). ``--smoke`` (a tiny model, 2 rounds, a 2x faster link)
 checks that the script runs (on the sized link only); its figures mean nothing.
 """
 
@@ -51,15 +51,15 @@ from typing import Any
 
 import torch
 
+from geodiloco.app.status import fetch_status, request_shutdown
+from geodiloco.app.wan import LinkConfig, ProxyThread
 from geodiloco.builders import build_data, build_loss, build_model, build_optimizer
 from geodiloco.compression import parse_pipeline
 from geodiloco.compression.frames import encode_chunks
 from geodiloco.config import RunConfig
 from geodiloco.params import flatten_parameters
-from geodiloco.processes import kill_tree, spawn_geodiloco
-from geodiloco.site.launcher import worker_env
-from geodiloco.status import fetch_status, request_shutdown
-from geodiloco.wan import LinkConfig, ProxyThread
+from geodiloco.site.daemon.launcher import worker_env
+from geodiloco.testing.processes import kill_tree, spawn_geodiloco
 from geodiloco.workload.data import DataRange
 from geodiloco.workload.steps import evaluate_batches, inner_step
 
@@ -151,7 +151,7 @@ def timed(fn: Callable[..., Any], spans: list[Any], tokens: bool = False) -> Cal
 
 def site_rank(coordinator: str, site: str, out: Path) -> None:
     """The real site daemon's rank, its inner steps, evals and sender timed."""
-    from geodiloco.site import worker
+    from geodiloco.site.daemon import worker
     from geodiloco.site.outer_sync import FragmentSync
 
     timeline = Timeline()
@@ -168,7 +168,7 @@ def alone_rank(config: Path, shard: int, out: Path) -> None:
     """The same site with no outer sync: the daemon's model wrapping, inner steps and per-round
     eval on its own shard, and nothing else."""
     from geodiloco.distributed import init_rank, shutdown_distributed
-    from geodiloco.site.layout import ParallelConfig, build_mesh, parallelize
+    from geodiloco.site.parallel.layout import ParallelConfig, build_mesh, parallelize
 
     cfg = RunConfig.from_json(config.read_text())
     init_rank("cpu")

@@ -5,9 +5,9 @@ one value codec, an optional entropy stage; every chunk is framed with a length,
 checksum. See :mod:`.pipeline`.
 """
 
+from geodiloco.compression.codec_error import CodecError
 from geodiloco.compression.cyclic import Place
 from geodiloco.compression.error_feedback import ErrorFeedback
-from geodiloco.compression.errors import CodecError
 from geodiloco.compression.frames import EncodedChunk, decode_chunks_into, encode_chunks
 from geodiloco.compression.pipeline import Pipeline, known_stages, parse_pipeline
 

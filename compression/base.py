@@ -7,7 +7,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from geodiloco.compression.errors import CodecError
+from geodiloco.compression.codec_error import CodecError
 
 
 class ValueCodec(Protocol):

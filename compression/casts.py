@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from geodiloco.compression.base import reinterpret, require_finite
-from geodiloco.compression.errors import CodecError
+from geodiloco.compression.codec_error import CodecError
 
 FP16_MAX = 65504.0
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from geodiloco.compression.errors import CodecError
+from geodiloco.compression.codec_error import CodecError
 from geodiloco.segment import Segment
 
 GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from geodiloco.compression.errors import CodecError
+from geodiloco.compression.codec_error import CodecError
 
 MIN_LEVEL, MAX_LEVEL = -7, 22
 MIN_GAIN = 0.02  # code only if order-0 entropy promises >= 2% fewer bytes (of the whole frame)

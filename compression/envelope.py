@@ -18,7 +18,7 @@ import zlib
 
 import xxhash
 
-from geodiloco.compression.errors import CodecError
+from geodiloco.compression.codec_error import CodecError
 
 MAGIC = b"GD"
 VERSION = 3  # 1 checked the body with CRC-32; 2 gave zstd whole int8 codes (no nibble split)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from geodiloco.compression.codec_error import CodecError
 from geodiloco.compression.cyclic import Place
-from geodiloco.compression.errors import CodecError
 from geodiloco.compression.pipeline import Pipeline
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from geodiloco.compression.bits import pack_bits, packed_size, unpack_bits
-from geodiloco.compression.errors import CodecError
+from geodiloco.compression.codec_error import CodecError
 
 
 def _low_bits(universe: int, count: int) -> int:

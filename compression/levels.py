@@ -18,7 +18,7 @@ import torch
 
 from geodiloco.compression.base import as_blocks, n_blocks, reinterpret
 from geodiloco.compression.bits import pack_bits, packed_size, unpack_bits
-from geodiloco.compression.errors import CodecError
+from geodiloco.compression.codec_error import CodecError
 
 FP32_MAX = torch.finfo(torch.float32).max
 

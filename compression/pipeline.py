@@ -23,9 +23,9 @@ from geodiloco.compression import envelope, indices, nibbles
 from geodiloco.compression.base import ValueCodec, require_finite
 from geodiloco.compression.bits import pack_bits
 from geodiloco.compression.casts import Bf16, Fp16, Fp32
+from geodiloco.compression.codec_error import CodecError
 from geodiloco.compression.cyclic import Cyclic, Place
 from geodiloco.compression.entropy import Zstd
-from geodiloco.compression.errors import CodecError
 from geodiloco.compression.levels import (
     LevelQuantizer,
     e2m1_levels,

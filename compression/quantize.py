@@ -17,7 +17,7 @@ import torch
 
 from geodiloco.compression.base import as_blocks, block_rows, n_blocks, reinterpret
 from geodiloco.compression.bits import pack_bits, packed_size, unpack_bits
-from geodiloco.compression.errors import CodecError
+from geodiloco.compression.codec_error import CodecError
 
 try:  # the fused C kernels for 8 bits, built at install time; same bytes as the torch path
     from geodiloco.compression import _kernels

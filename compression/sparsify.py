@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from geodiloco.compression import indices
 from geodiloco.compression.base import n_blocks, require_finite
-from geodiloco.compression.errors import CodecError
+from geodiloco.compression.codec_error import CodecError
 
 
 @dataclass(frozen=True, slots=True)

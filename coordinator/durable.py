@@ -42,8 +42,8 @@ from typing import Any
 import torch
 import xxhash
 
-from geodiloco.coordinator.errors import CorruptStateError as CorruptStateError
-from geodiloco.coordinator.errors import StateError as StateError
+from geodiloco.coordinator.refusals import CorruptStateError as CorruptStateError
+from geodiloco.coordinator.refusals import StateError as StateError
 from geodiloco.coordinator.rundir import STATE_FILE as STATE_FILE
 from geodiloco.coordinator.unbuffered import (
     BLOCK,

@@ -22,10 +22,12 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,10 +39,23 @@ from google.protobuf import message_factory
 from geodiloco.compression import Pipeline, Place
 from geodiloco.config import LimitsConfig
 from geodiloco.coordinator.aggregator import sum_of_squares
-from geodiloco.coordinator.errors import AlreadyAccepted, InvalidArgument, Unavailable
+from geodiloco.coordinator.fragment_rounds import FragmentedController
+from geodiloco.coordinator.journal import Journal
+from geodiloco.coordinator.refusals import (
+    REFUSALS,
+    AlreadyAccepted,
+    FailedPrecondition,
+    InvalidArgument,
+    LateContribution,
+    Unavailable,
+    refusal_code,
+)
+from geodiloco.coordinator.round_metrics import CoordinatorMetrics
+from geodiloco.coordinator.rounds import RoundController
 from geodiloco.coordinator.rounds_pool import bulk_pool
+from geodiloco.security.chunks import open_delta
+from geodiloco.security.sealing import Keyring
 from geodiloco.segment import Segment, segment_of
-from geodiloco.wire import ranges_from_proto
 from geodiloco.workload.data import DataRange
 
 log = logging.getLogger("geodiloco.coordinator")
@@ -48,6 +63,7 @@ log = logging.getLogger("geodiloco.coordinator")
 WINDOW = 4  # chunks of one stream decoded while the next are read
 WORKERS = min(4, os.cpu_count() or 1)
 IDLE_SPILLS = 16  # staging files kept for reuse; more are closed when given back
+NOT_SEALING = "this run does not seal payloads (the coordinator runs --insecure): send key_id 0 and no nonce"
 
 
 class SpillFiles:
@@ -388,7 +404,8 @@ class Intake:
     def staging_for(self, first: Any) -> tuple[Staged, int | None]:
         h = first.header
         key = (h.site, h.round)
-        parts, data = first.parts or 1, ranges_from_proto(first.data)
+        parts = first.parts or 1
+        data = [DataRange(d.shard, d.start, d.end, d.epoch) for d in first.data]  # as declared
         staged = self.staged.get(key)
         if staged is None:
             staged = Staged(
@@ -552,3 +569,174 @@ def _consume(work: asyncio.Future[None]) -> None:
     """Retrieve an abandoned chunk's outcome, so asyncio does not log it as never retrieved."""
     if not work.cancelled():
         work.exception()
+
+
+class PushOutcome(str, Enum):
+    """What one ``PushDelta`` stream came to, when it was not refused."""
+
+    ACCEPTED = "accepted"  # it completed a contribution, which the round folded
+    PART = "part"  # one part received; more parts of the contribution are to come
+    DUPLICATE = "duplicate"  # an identical repeat of a part received or accepted: changes nothing
+
+
+@dataclass(frozen=True, slots=True)
+class PushReceipt:
+    """The outcome of one push stream and what it carried."""
+
+    outcome: PushOutcome
+    round: int
+    fragment: int
+    payload_bytes: int
+
+
+class Pushes:
+    """A whole push, one call in and one outcome out, for every fragment of the run.
+
+    The servicer hands over the stream's chunks; this checks who sent them, routes them to their
+    fragment's :class:`Intake`, stages them, and has the fragment's round controller fold a
+    completed contribution. A refusal is raised as a domain error (``coordinator.refusals``,
+    ``CodecError``, ``SealError``) after it was counted; nothing of a refused push is kept.
+    """
+
+    def __init__(
+        self,
+        run: FragmentedController,
+        keyring: Keyring | None,
+        metrics: CoordinatorMetrics,
+        journal: Journal,
+    ) -> None:
+        self.run = run
+        self.keyring = keyring
+        self.metrics = metrics
+        self.journal = journal
+        self.intakes = [
+            Intake(
+                c.uplink,
+                c.num_params,
+                c.cfg.compression.chunk_elements,
+                c.cfg.limits,
+                self.open_payload,
+                c.run_dir,
+                fragment=p,
+            )
+            for p, c in enumerate(run.fragments)
+        ]
+
+    def forget_site(self, site: str) -> None:
+        """A site that (re)joins pushes its rounds afresh."""
+        for intake in self.intakes:
+            intake.forget_site(site)
+
+    def open_payload(self, chunk: Any) -> bytes | memoryview:
+        """A chunk's payload, authenticated and opened with its site's key (worker thread).
+        A sealed chunk to a run that does not seal is named as such, not left to fail decoding.
+        Unsealed, the payload as received: a view of the message's bytes, not a copy."""
+        if self.keyring is None:
+            if chunk.header.nonce or chunk.header.key_id:
+                raise FailedPrecondition(NOT_SEALING)
+            return chunk.payload
+        return open_delta(self.keyring.site(chunk.header.site).up, chunk)
+
+    async def receive(
+        self, opener: str, chunks: AsyncIterator[Any], on_chunk: Callable[[str, Any], int]
+    ) -> PushReceipt:
+        """Take one push stream whole. ``opener`` is the site the transport says opened it ("" when
+        it names none); ``on_chunk(site, chunk)`` counts a chunk's wire bytes as it is taken and
+        returns them."""
+        site, round_, fragment, wire_bytes = "", 0, 0, 0
+        c = self.run.primary
+        stream: PartStream | None = None
+        started = time.time()
+        try:
+            first = await anext(chunks, None)
+            if first is None:
+                raise InvalidArgument("empty push: no chunks received")
+            if opener and opener != first.header.site:
+                raise InvalidArgument(
+                    f"the push opened as site {opener!r} carries chunks of {first.header.site!r}"
+                )
+            site, round_, fragment = first.header.site, first.header.round, first.header.fragment
+            c = self.run.fragment(fragment)  # before anything of the push is read or kept
+            stream = await self._begin(c, first)
+            chunk = first
+            with self.run.transferring(site):
+                while chunk is not None:
+                    wire_bytes += on_chunk(site, chunk)
+                    await stream.add(chunk)
+                    chunk = await anext(chunks, None)
+                await stream.drain()
+            outcome = await self._complete(c, stream)
+        except REFUSALS as exc:
+            if stream is not None:
+                stream.abandon()
+            c.record_rejection(site, exc)  # a late fragment is counted by its own fragment
+            late = isinstance(exc, LateContribution)
+            self._record(site, round_, fragment, started, wire_bytes, "late" if late else "rejected", exc)
+            raise
+        except BaseException:  # cancelled (the stream broke): the retry must find the part free
+            if stream is not None:
+                stream.abandon()
+            raise
+        self._record(site, round_, fragment, started, wire_bytes, outcome.value)
+        if outcome is not PushOutcome.DUPLICATE:
+            self.metrics.push_compressed(site, stream.covered, stream.payload_bytes)
+        return PushReceipt(outcome, round_, fragment, stream.payload_bytes)
+
+    async def _begin(self, c: RoundController, first: Any) -> PartStream:
+        """The stream of this part (of its fragment); a duplicate (already accepted or received)
+        only gets checked."""
+        h = first.header
+        duplicate = c.check_push(h.site, h.run_id, h.round)
+        intake = self.intakes[h.fragment]
+        stream = await intake.begin(first)  # authenticated before anything of it is kept
+        intake.drop_closed(c.round)
+        if not duplicate and not c.check_push(h.site, h.run_id, h.round):
+            stream.open()
+        return stream
+
+    async def _complete(self, c: RoundController, stream: PartStream) -> PushOutcome:
+        """A part ended whole: a part (more to come), a duplicate (an identical repeat; a
+        different one is refused), or accepted once its contribution is complete, tiles the
+        model and is folded by the controller."""
+        staged = stream.end()
+        if staged is None and stream.attempt is not None:
+            return PushOutcome.PART
+        if staged is not None:
+            try:
+                staged.check_covered(c.num_params)
+                h = stream.first.header
+                contribution = StagedContribution(staged, stream.intake.pool)
+                # only the primary fragment's pushes carry the data the site trained on
+                data = staged.data if self.run.settles_data(h.fragment) else None
+                accepted = await c.contribute(
+                    h.site, h.run_id, h.round, staged.tokens, contribution, data, contribution.digest
+                )
+            finally:
+                stream.intake.release(stream.site, staged)
+            if accepted:
+                return PushOutcome.ACCEPTED
+        stream.check_repeat(c.accepted_digest(stream.site, stream.round))
+        return PushOutcome.DUPLICATE
+
+    def _record(
+        self,
+        site: str,
+        round_: int,
+        fragment: int,
+        started: float,
+        wire_bytes: int,
+        outcome: str,
+        refusal: Exception | None = None,
+    ) -> None:
+        """Metrics and journal for one push stream."""
+        self.metrics.contribution(site, outcome, refusal_code(refusal) if refusal is not None else "")
+        self.journal.write(
+            "push",
+            site=site,
+            round=round_,
+            **({"fragment": fragment} if self.run.count > 1 else {}),
+            t0=started,
+            t1=time.time(),
+            bytes=wire_bytes,
+            outcome=outcome,
+        )

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from geodiloco.coordinator.errors import CorruptStateError
+from geodiloco.coordinator.refusals import CorruptStateError
 from geodiloco.coordinator.rundir import EVENTS_FILE as EVENTS_FILE
 
 log = logging.getLogger("geodiloco.coordinator")

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from geodiloco.coordinator.errors import CorruptStateError
 from geodiloco.coordinator.journal import JsonLines
+from geodiloco.coordinator.refusals import CorruptStateError
 from geodiloco.coordinator.rundir import REPORT_LOG as REPORT_LOG
 
 

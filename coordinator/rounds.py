@@ -30,16 +30,16 @@ from geodiloco.compression.frames import chunk_ranges
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.aggregator import Contribution, TensorContribution, WeightedMean, sum_of_squares
 from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError, StateError, load_state, save_state
-from geodiloco.coordinator.errors import (
+from geodiloco.coordinator.journal import JsonLines
+from geodiloco.coordinator.ledger import DataLedger, LedgerExhausted
+from geodiloco.coordinator.outer_optimizer import NesterovOuter, build_outer_optimizer
+from geodiloco.coordinator.refusals import (
     ContributionMissing,
     FailedPrecondition,
     InvalidArgument,
     LateContribution,
     PermissionDenied,
 )
-from geodiloco.coordinator.journal import JsonLines
-from geodiloco.coordinator.ledger import DataLedger, LedgerExhausted
-from geodiloco.coordinator.outer_optimizer import NesterovOuter, build_outer_optimizer
 from geodiloco.coordinator.replay import apply_update
 from geodiloco.coordinator.reports import REPORT_LOG, HashReport, append_report, read_reports
 from geodiloco.coordinator.rounds_pool import WORKERS
@@ -416,6 +416,13 @@ class RoundController:
     def check_push(self, name: str, run_id: str, round_: int) -> bool:
         """Validate a push before its payload is read. True when it is a duplicate."""
         record = self.member(name, run_id)
+        if round_ < self.round - KEEP_DIGESTS:
+            # its digests are gone: an acknowledgement could not say whether it was accepted
+            raise FailedPrecondition(
+                f"round {round_} closed more than {KEEP_DIGESTS} rounds ago and its pushes are no "
+                f"longer kept, so a repeat cannot be told from another push; the current round is "
+                f"{self.round}: pull the current state"
+            )
         if round_ < self.round:
             if record.last_round >= round_:
                 return True

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from geodiloco.coordinator.errors import CorruptStateError, StateError
+from geodiloco.coordinator.refusals import CorruptStateError, StateError
 
 if TYPE_CHECKING:
     from geodiloco.config import RunConfig

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from geodiloco.security.secrets import load_secret
 from geodiloco.security.tls import TlsFiles
-from geodiloco.site import OuterSync
+from geodiloco.site import connect
 
 
 @torch.no_grad()
@@ -49,7 +49,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    sync = OuterSync.connect(
+    sync = connect(
         args.coordinator,
         args.site,
         tls=TlsFiles(*args.tls) if args.tls else None,

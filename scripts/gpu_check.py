@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from geodiloco.app.status import fetch_status, request_shutdown
 from geodiloco.config import RunConfig
-from geodiloco.processes import kill_tree, spawn_geodiloco
-from geodiloco.status import fetch_status, request_shutdown
+from geodiloco.testing.processes import kill_tree, spawn_geodiloco
 
 # ~100M parameters: 14 blocks of 12 d^2 at d=768 (byte vocabulary: the embeddings are small)
 MODEL_100M = {"n_layer": 14, "n_head": 12, "d_model": 768, "seq_len": 256}
@@ -136,8 +136,8 @@ def layouts(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
 
 def throughput(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from geodiloco.builders import build_data, build_model, build_optimizer
-    from geodiloco.site.layout import Autocast
-    from geodiloco.site.outer_sync import OuterSync
+    from geodiloco.site import connect
+    from geodiloco.site.parallel.layout import Autocast
     from geodiloco.workload.steps import inner_step
 
     device = torch.device(args.device)
@@ -145,7 +145,7 @@ def throughput(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     cfg = run_config(["site-gpu"], args.rounds, args.steps, model_shape, batch)
     coordinator, target = start_coordinator(cfg, workdir)
     try:
-        sync = OuterSync.connect(target, "site-gpu")
+        sync = connect(target, "site-gpu")
         model = build_model(sync.config).to(device)
         sync.attach(model)
         params = sum(p.numel() for p in model.parameters())
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny model: seconds, on any device")
     args = parser.parse_args(argv)
     if args.check == "agree" and args.precision == "fp8":
-        from geodiloco.site.layout import precision_problem
+        from geodiloco.site.parallel.layout import precision_problem
 
         problem = precision_problem("fp8", torch.device(args.device))
         if problem is not None:  # said, not failed: fp8 runs only where the hardware has it

@@ -12,14 +12,11 @@ from dataclasses import dataclass
 import grpc
 
 from geodiloco.security.identity import Identity
+from geodiloco.security.request_errors import Denied
 from geodiloco.security.sealing import Keyring
 from geodiloco.security.tls import TlsFiles
 
 LOOPBACK_NAMES = ("localhost",)
-
-
-class Denied(Exception):
-    """The peer's certificate does not allow this call."""
 
 
 def is_loopback(host: str) -> bool:

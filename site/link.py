@@ -1,25 +1,22 @@
 """The seam between the site's outer loop and whatever carries it to the coordinator.
 
 :class:`~geodiloco.site.outer_sync.OuterSync` talks only to a :class:`Link`: join, push, pull,
-report, leave. The gRPC client is one implementation (:mod:`.grpc_link`); an in-process one
-over a round controller (:mod:`.local_link`) runs the whole algorithm, both sides, in a unit
+report, leave. The gRPC client is one implementation (:mod:`.edge.grpc_link`); an in-process one
+over a round controller (:mod:`geodiloco.testing.local_link`) runs the whole algorithm, both sides, in a unit
 test. Refusals arrive as the domain errors below, never as transport errors, so the loop's
 recovery (push again, rejoin and catch up) reads the same whatever the transport.
 
 Every call names a fragment: the canonical parameter vector is split into ``outer.fragments``
-fragments (:mod:`.fragments`), each with its own rounds, outer optimizer and hashes on the
+fragments (:mod:`.fragment_schedule`), each with its own rounds, outer optimizer and hashes on the
 coordinator's side. A run of one fragment is the classic DiLoCo of the paper.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from geodiloco.compression import EncodedChunk
-from geodiloco.site.client import ChunkSink, FragmentState, JoinInfo, PulledPart, WireChunk
-from geodiloco.workload.data import DataRange
+from geodiloco.exchange import ChunkSink, FragmentState, JoinInfo, PulledPart, PushPart, WireChunk
 
 __all__ = [
     "ChunkSink",
@@ -31,6 +28,7 @@ __all__ = [
     "LinkError",
     "PulledPart",
     "PushAgain",
+    "PushPart",
     "Resync",
     "WireChunk",
 ]
@@ -104,21 +102,8 @@ class Link(Protocol):
         """Keep the site's lease alive in the background until :meth:`close` (rank 0)."""
         ...
 
-    def push(
-        self,
-        fragment: int,
-        round_: int,
-        codec: str,
-        chunks: Sequence[WireChunk | EncodedChunk],
-        tokens: int,
-        data: list[DataRange] | None,
-        *,
-        part: int,
-        parts: int,
-        timeout_s: float,
-    ) -> None:
-        """Send one part of a fragment round's pseudo-gradient (idempotent). ``data`` is what the
-        site trained on; None for a fragment that does not settle the data ledger."""
+    def push(self, part: PushPart, *, timeout_s: float) -> None:
+        """Send one part of a fragment round's pseudo-gradient (idempotent)."""
         ...
 
     def pull(
@@ -135,7 +120,7 @@ class Link(Protocol):
     ) -> PulledPart:
         """This puller's share of the update closing the fragment's ``round_`` (waits for its
         commit), or of the fragment's current full state; ``on_chunk`` and ``keep_payloads`` as
-        in :meth:`OuterSyncClient.pull`."""
+        in :meth:`geodiloco.site.edge.client.OuterSyncClient.pull`."""
         ...
 
     def report(

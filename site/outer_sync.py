@@ -6,7 +6,7 @@ hold them), compresses and streams them, and pulls its share of the update's chu
 the pulled chunks (still compressed) to each other over the site's own process group and each
 decodes only what lands in its shard, so no rank ever holds the whole model::
 
-    sync = OuterSync.connect("coordinator:50051", site="dc-west", tls=files, site_secret=secret)
+    sync = connect("coordinator:50051", site="dc-west", tls=files, site_secret=secret)
     model = sync.attach(model)              # any DDP / FSDP2 / TP wrapping already applied
     while not sync.finished:
         ...; inner_optimizer.step()
@@ -42,13 +42,11 @@ from torch import nn
 
 from geodiloco.compression import ErrorFeedback, Pipeline, Place, parse_pipeline
 from geodiloco.config import RunConfig
+from geodiloco.exchange import LazyChunks, PulledPart, PushPart, WireChunk
 from geodiloco.params import HASH_BLOCK, Checksum, canonical_parameters
-from geodiloco.security.tls import TlsFiles
 from geodiloco.segment import Segment
-from geodiloco.site.client import LazyChunks, PulledPart, WireChunk
-from geodiloco.site.fragments import FragmentPlan, ParameterSubset, Schedule
+from geodiloco.site.fragment_schedule import FragmentPlan, ParameterSubset, Schedule
 from geodiloco.site.group import SiteGroup
-from geodiloco.site.grpc_link import GrpcLink
 from geodiloco.site.link import (
     FragmentState,
     Joined,
@@ -344,17 +342,10 @@ class FragmentSync:
     def _push(
         self, round_: int, chunks: Sequence[WireChunk], tokens: int, data: list[DataRange] | None
     ) -> None:
-        self.link.push(
-            self.index,
-            round_,
-            self.owner.uplink.spec,
-            chunks,
-            tokens,
-            data,
-            part=self.part,
-            parts=self.parts,
-            timeout_s=self.owner.pull_timeout_s,
+        part = PushPart(
+            self.index, round_, self.owner.uplink.spec, chunks, tokens, data, self.part, self.parts
         )
+        self.link.push(part, timeout_s=self.owner.pull_timeout_s)
 
     def _agreed(self, pulled: PulledPart | None) -> bool:
         """Every rank pulled the same stream facts (no commit in between)."""
@@ -588,31 +579,12 @@ class OuterSync:
         self.sender = ThreadPoolExecutor(1, "outer-sync") if outer.overlap_steps else None
 
     @classmethod
-    def connect(
-        cls,
-        target: str,
-        site: str,
-        *,
-        tls: TlsFiles | None = None,
-        site_secret: bytes | None = None,
-        data_parallel_size: int | None = None,
-        streams: int = 1,
-    ) -> OuterSync:
-        """Join the run over gRPC (rank 0) and share what the coordinator said with the site's ranks.
-
-        Call it on every rank. ``tls`` (mutual TLS) and ``site_secret`` (payload sealing) are what
-        a coordinator started without ``--insecure`` requires. ``data_parallel_size`` is how many
-        different batches the site trains on per step (ranks / tensor-parallel degree; default:
-        every rank), which sizes its share of the data ledger. ``streams``: TCP connections each
-        rank's push and pull are spread over, the same on every rank (see
-        :mod:`~geodiloco.site.grpc_link`); more than one where one cannot fill the WAN path.
-        """
-        link = GrpcLink(target, site, tls=tls, site_secret=site_secret, streams=streams)
-        return cls.over(link, data_parallel_size)
-
-    @classmethod
     def over(cls, link: Link, data_parallel_size: int | None = None) -> OuterSync:
-        """:meth:`connect` over any link (e.g. :class:`~geodiloco.site.local_link.LocalLink`)."""
+        """Join the run over ``link`` (rank 0) and share what the coordinator said with the site's
+        ranks; call it on every rank. Over gRPC: :func:`geodiloco.site.connect`.
+
+        ``data_parallel_size`` is how many different batches the site trains on per step (ranks /
+        tensor-parallel degree; default: every rank), which sizes its share of the data ledger."""
         group = SiteGroup()
         data_parallel = data_parallel_size or group.world
         joined = link.join(data_parallel) if group.rank == 0 else None

@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 
 from geodiloco.compression import EncodedChunk, Pipeline, Place, parse_pipeline
+from geodiloco.exchange import PulledPart, StreamFacts
 from geodiloco.params import Checksum
-from geodiloco.site.client import PulledPart, StreamFacts
 from geodiloco.site.shards import ShardMap
 
 

@@ -56,7 +56,8 @@ class StagePlacement:
 
 
 def stage_placement(model: nn.Module) -> StagePlacement | None:
-    """The placement :func:`geodiloco.site.pipeline.split_stage` left on a stage's model, if any."""
+    """The placement :func:`~geodiloco.site.parallel.pipeline_stages.split_stage` left on a
+    stage's model, if any."""
     placement = getattr(model, PLACEMENT_ATTR, None)
     return placement if isinstance(placement, StagePlacement) else None
 

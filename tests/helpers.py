@@ -18,20 +18,20 @@ import pytest
 import torch
 from torch import nn
 
+from geodiloco.app.status import fetch_status, request_shutdown
 from geodiloco.config import RunConfig
-from geodiloco.coordinator.ledger import ConsumedRecord, check_exactly_once
-from geodiloco.coordinator.rounds import RoundController
-from geodiloco.coordinator.server import (
+from geodiloco.coordinator.edge.server import (
     RunningServer,
     data_shard_sizes,
     initial_parameters,
     run_until_stopped,
     start_server,
 )
-from geodiloco.processes import kill_tree as kill_tree  # re-exported for the tests
-from geodiloco.processes import spawn_geodiloco as spawn_geodiloco
+from geodiloco.coordinator.ledger import ConsumedRecord, check_exactly_once
+from geodiloco.coordinator.rounds import RoundController
 from geodiloco.security.policy import ServerSecurity
-from geodiloco.status import fetch_status, request_shutdown
+from geodiloco.testing.processes import kill_tree as kill_tree  # re-exported for the tests
+from geodiloco.testing.processes import spawn_geodiloco as spawn_geodiloco
 from geodiloco.workload.data import DataRange
 
 CUDA = pytest.param(  # a device parameter: runs where CUDA is, marked gpu, skipped elsewhere

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from geodiloco.baseline import cross_site_bytes
-from geodiloco.coordinator.server import initial_parameters
-from geodiloco.site.launcher import worker_command, worker_env
+from geodiloco.app.baseline import cross_site_bytes
+from geodiloco.coordinator.edge.server import initial_parameters
+from geodiloco.site.daemon.launcher import worker_command, worker_env
 from helpers import tiny_config
 
 
@@ -25,7 +25,7 @@ def test_baseline_allreduces_every_gradient_every_step(tmp_path: Path) -> None:
     (tmp_path / "run.json").write_text(cfg.to_json())
     out = tmp_path / "baseline.json"
     cmd = worker_command(
-        "geodiloco.baseline",
+        "geodiloco.app.baseline",
         4,
         ["--config", str(tmp_path / "run.json"), "--ranks-per-site", "2", "--out", str(out)],
     )
@@ -48,7 +48,7 @@ def test_baseline_trains_the_runs_mixture_of_experts(tmp_path: Path) -> None:
     (tmp_path / "run.json").write_text(cfg.to_json())
     out = tmp_path / "baseline.json"
     cmd = worker_command(
-        "geodiloco.baseline",
+        "geodiloco.app.baseline",
         2,
         ["--config", str(tmp_path / "run.json"), "--ranks-per-site", "1", "--out", str(out)],
     )

@@ -21,7 +21,7 @@ from geodiloco.builders import (
     load_builder,
 )
 from geodiloco.config import ConfigError, RunConfig, load_config
-from geodiloco.coordinator.server import data_shard_sizes, initial_parameters
+from geodiloco.coordinator.edge.server import data_shard_sizes, initial_parameters
 from geodiloco.params import flatten_parameters
 from geodiloco.workload import DataRange, DataShards, eval_windows, load_corpus, rank_batch
 from geodiloco.workload import build_model as build_gpt

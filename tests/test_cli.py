@@ -124,7 +124,7 @@ def test_status_connects_without_loading_the_training_stack() -> None:
     dialled: every command imported the config module to catch its errors (issue 16 item 8)."""
     with CoordinatorThread(tiny_config()) as c:
         script = (
-            "import sys\nfrom geodiloco import cli\n"
+            "import sys\nfrom geodiloco.app import cli\n"
             f"code = cli.main(['status', '--coordinator', {c.target!r}, '--insecure', '--json'])\n"
             "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', file=sys.stderr)\n"
             "sys.exit(code)\n"

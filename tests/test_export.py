@@ -12,13 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from geodiloco import cli
+from geodiloco.app import cli
+from geodiloco.app.export import ExportError, export, model_with
 from geodiloco.builders import build_model
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.durable import STATE_LABEL
+from geodiloco.coordinator.edge.server import data_shard_sizes, initial_parameters
 from geodiloco.coordinator.rounds import RoundController
-from geodiloco.coordinator.server import data_shard_sizes, initial_parameters
-from geodiloco.export import ExportError, export, model_with
 from geodiloco.params import flatten_parameters
 from geodiloco.security.sealing import Keyring
 from helpers import tiny_config

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from geodiloco.app.wan import ProxyThread
 from geodiloco.faults import Fault, FaultInjector, FaultPlan, FaultPlanError, InjectedCrash, fired, load_plan
-from geodiloco.wan import ProxyThread
 
 LINK = "127.0.0.1:1"
 
@@ -242,7 +242,7 @@ PUSH_AND_DIE = """
 import sys
 import torch
 from geodiloco.compression import encode_chunks, parse_pipeline
-from geodiloco.site.client import OuterSyncClient
+from geodiloco.site.edge.client import OuterSyncClient
 client = OuterSyncClient(sys.argv[1], "site-a")
 client.join()
 codec = parse_pipeline("q8|zstd:3")

@@ -364,7 +364,7 @@ def test_model_loss_reads_a_plain_scalar_and_an_output_with_loss() -> None:
 
 
 def test_the_demo_counts_tokens_as_the_builder_does_and_refuses_a_baseline_it_cannot_run() -> None:
-    from geodiloco.demo import DemoOptions, demo_config
+    from geodiloco.app.demo import DemoOptions, demo_config
 
     mine = [f"workload.model={MODULE}:logits_model", f"workload.optimizer={MODULE}:sgd"]
     with pytest.raises(

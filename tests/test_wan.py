@@ -13,11 +13,11 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from geodiloco.cli import main
-from geodiloco.site.client import OuterSyncClient
-from geodiloco.status import fetch_status
+from geodiloco.app.cli import main
+from geodiloco.app.status import fetch_status
+from geodiloco.app.wan import Direction, LinkConfig, ProxyThread, WanProxy
+from geodiloco.site.edge.client import OuterSyncClient
 from geodiloco.v1 import outer_sync_pb2
-from geodiloco.wan import Direction, LinkConfig, ProxyThread, WanProxy
 from helpers import CoordinatorThread, tiny_config
 
 pytestmark = pytest.mark.integration
@@ -116,7 +116,7 @@ PUSH_ONCE = """
 import sys, torch
 from geodiloco.compression import parse_pipeline
 from geodiloco.compression.frames import encode_chunks
-from geodiloco.site.client import OuterSyncClient
+from geodiloco.site.edge.client import OuterSyncClient
 client = OuterSyncClient(sys.argv[1], "site-a")
 info = client.join()
 chunks, _ = encode_chunks(parse_pipeline("fp32"), torch.full((info.num_params,), 1e-4), 65536, round_=0)

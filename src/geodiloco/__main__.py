@@ -1,3 +1,3 @@
-from geodiloco.cli import main
+from geodiloco.app.cli import main
 
 raise SystemExit(main())

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from geodiloco.compression import CodecError, parse_pipeline
-from geodiloco.errors import ConfigError as ConfigError
+from geodiloco.config_errors import ConfigError as ConfigError
 from geodiloco.workload.model import GPTConfig
 
 if sys.version_info >= (3, 11):

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from geodiloco.compression import indices
-from geodiloco.compression.errors import CodecError
+from geodiloco.compression.codec_error import CodecError
 
 
 @settings(max_examples=80, deadline=None)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from geodiloco.params import flatten_parameters, load_flat_parameters, state_hash
-from geodiloco.site import OuterSync
+from geodiloco.site import connect
 from geodiloco.site.outer_sync import CATCH_UP_ROUNDS
 from geodiloco.workload import build_model
 from helpers import CoordinatorThread, tiny_config
@@ -39,7 +39,7 @@ def test_site_behind_by_rounds_catches_up_bit_identically(missed: int) -> None:
     cfg = tiny_config(rounds=10, min_sites=1, round_timeout_s=0.3, lease_s=30.0)
     with CoordinatorThread(cfg) as coordinator:
         c = coordinator.controller
-        sync = OuterSync.connect(coordinator.target, "site-b")
+        sync = connect(coordinator.target, "site-b")
         try:
             model = sync.attach(build_model(cfg.model, cfg.seed))
             with torch.no_grad():  # as if site-b had trained round 0, slowly

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from geodiloco.compression import encode_chunks, envelope, parse_pipeline
-from geodiloco.site.client import OuterSyncClient, delta_messages
+from geodiloco.site.edge.client import OuterSyncClient, delta_messages
 from geodiloco.v1 import outer_sync_pb2_grpc
 from helpers import CoordinatorThread, tiny_config
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import xxhash
 
-from geodiloco import cli
+from geodiloco.app import cli
 from geodiloco.coordinator import durable, unbuffered
 from geodiloco.coordinator.durable import (
     SEALED_MAGIC,

@@ -16,22 +16,22 @@ import pytest
 import torch
 from torch import nn
 
+from geodiloco.app.export import read_committed
+from geodiloco.app.status import fetch_status
 from geodiloco.compression import encode_chunks, parse_pipeline
 from geodiloco.config import RunConfig
-from geodiloco.coordinator.fragments import PLAN_FILE, FragmentedController, fragment_dir, resumes
+from geodiloco.coordinator.edge.server import RunningServer, run_until_stopped, start_server
+from geodiloco.coordinator.fragment_rounds import PLAN_FILE, FragmentedController, fragment_dir, resumes
 from geodiloco.coordinator.rundir import ROUND_LOG, STATE_FILE, ConfigDrift
-from geodiloco.coordinator.server import RunningServer, run_until_stopped, start_server
-from geodiloco.export import read_committed
-from geodiloco.fragments import FragmentPlan
+from geodiloco.fragment_plan import FragmentPlan
 from geodiloco.params import canonical_parameters, flatten_parameters, state_hash
 from geodiloco.security.pki import PkiDir
 from geodiloco.security.policy import ServerSecurity
 from geodiloco.security.sealing import Keyring
 from geodiloco.security.secrets import load_secret
-from geodiloco.site.client import OuterSyncClient, delta_messages
-from geodiloco.site.grpc_link import GrpcLink
+from geodiloco.site.edge.client import OuterSyncClient, delta_messages
+from geodiloco.site.edge.grpc_link import GrpcLink
 from geodiloco.site.outer_sync import OuterSync
-from geodiloco.status import fetch_status
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
 from helpers import PLAINTEXT, Blocks, global_snapshot, streaming_config
 

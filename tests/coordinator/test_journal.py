@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from geodiloco.coordinator.errors import CorruptStateError
 from geodiloco.coordinator.journal import EVENTS_FILE, Journal, JsonLines, read_lines
+from geodiloco.coordinator.refusals import CorruptStateError
 
 
 def test_open_truncates_a_torn_tail_and_appends_stay_whole(tmp_path: Path) -> None:

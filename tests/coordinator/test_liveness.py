@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from geodiloco.site.client import OuterSyncClient
+from geodiloco.site.edge.client import OuterSyncClient
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
 from geodiloco.wire import PUSHER_KEY
 from helpers import CoordinatorThread, tiny_config

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError, load_state
-from geodiloco.coordinator.errors import ContributionMissing, FailedPrecondition, LateContribution
+from geodiloco.coordinator.edge.server import data_shard_sizes
+from geodiloco.coordinator.refusals import ContributionMissing, FailedPrecondition, LateContribution
 from geodiloco.coordinator.reports import REPORT_LOG
 from geodiloco.coordinator.rounds import RoundController
-from geodiloco.coordinator.server import data_shard_sizes
 from geodiloco.coordinator.updatelog import UpdateLogWriter
 from geodiloco.params import state_hash
 from helpers import ledger_problems, round_log, tiny_config
@@ -276,3 +276,21 @@ async def test_as_many_shards_as_sites_commits_until_the_run_ends(tmp_path: Path
     assert all(len(h.contributors) == 3 for h in c.history)
     assert min(s.epoch for s in c.ledger.shards) >= 2
     assert ledger_problems(round_log(tmp_path), cfg) == []
+
+
+async def test_a_push_for_a_round_older_than_the_kept_digests_is_refused_not_acknowledged() -> None:
+    """protocol.md §3.1: within the kept rounds a repeat is checked against its digest; past
+    them an acknowledgement could not tell "ignored" from "accepted", so the push is refused."""
+    from geodiloco.coordinator.rounds import KEEP_DIGESTS
+
+    c = controller(rounds=KEEP_DIGESTS + 4)
+    await join_all(c)
+    for r in range(KEEP_DIGESTS + 2):
+        for name in c.cfg.sites:
+            await c.contribute(name, "", r, 100, torch.full((N,), 1e-3))
+    assert c.round == KEEP_DIGESTS + 2
+    assert c.check_push("site-a", "", c.round - KEEP_DIGESTS) is True  # still kept: a duplicate
+    with pytest.raises(FailedPrecondition, match="no longer kept") as refused:
+        c.check_push("site-a", "", 0)
+    assert not isinstance(refused.value, LateContribution)  # not counted as a straggler
+    assert c.round == KEEP_DIGESTS + 2  # nothing changed

@@ -24,11 +24,11 @@ import torch
 import yaml
 from prometheus_client import CollectorRegistry
 
-from geodiloco.cli import build_parser, main
+from geodiloco.app.cli import build_parser, main
 from geodiloco.config import load_config
-from geodiloco.coordinator.metrics import CoordinatorMetrics
+from geodiloco.coordinator.round_metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
-from geodiloco.metrics import SiteTelemetry
+from geodiloco.prometheus import SiteTelemetry
 from helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]

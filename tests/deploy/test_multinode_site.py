@@ -10,9 +10,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from geodiloco.cli import build_parser
-from geodiloco.site.launcher import Nodes
-from geodiloco.site.layout import ParallelConfig
+from geodiloco.app.cli import build_parser
+from geodiloco.site.daemon.launcher import Nodes
+from geodiloco.site.parallel.layout import ParallelConfig
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "multinode" / "site.yaml"
 K8S_VERSION = "1.30.0"

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
+from geodiloco.app.status import fetch_status, request_shutdown
+from geodiloco.app.wan import LinkConfig, ProxyThread
 from geodiloco.config import RunConfig
 from geodiloco.faults import FAULT_PLAN_ENV, Fault, FaultPlan, fired
-from geodiloco.status import fetch_status, request_shutdown
-from geodiloco.wan import LinkConfig, ProxyThread
 from helpers import (
     free_port,
     kill_tree,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from geodiloco.status import fetch_status, request_shutdown
+from geodiloco.app.status import fetch_status, request_shutdown
 from helpers import free_port, kill_tree, ledger_problems, round_log, serve_args, spawn_geodiloco, tiny_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

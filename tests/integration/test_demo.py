@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from geodiloco.coordinator.server import initial_parameters
-from geodiloco.demo import DemoOptions, demo_config
+from geodiloco.app.demo import DemoOptions, demo_config
+from geodiloco.coordinator.edge.server import initial_parameters
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

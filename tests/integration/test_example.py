@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from geodiloco.app.status import fetch_status, request_shutdown
 from geodiloco.builders import build_data, build_loss, build_model
 from geodiloco.config import load_config
-from geodiloco.status import fetch_status, request_shutdown
 from geodiloco.workload.steps import evaluate_batches
 from helpers import kill_tree, ledger_problems, round_log, spawn_geodiloco, start_coordinator_process
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from geodiloco.status import fetch_status
+from geodiloco.app.status import fetch_status
 from helpers import CoordinatorThread, free_port, spawn_geodiloco, tiny_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from geodiloco.site.checkpoint import read_meta
+from geodiloco.site.parallel.checkpoint import read_meta
 from helpers import SitesRun, free_port, kill_tree, tiny_config, wait_for_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

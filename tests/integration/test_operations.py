@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from geodiloco.status import fetch_status
+from geodiloco.app.status import fetch_status
 from helpers import free_port, spawn_geodiloco, tiny_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -102,7 +102,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunRecord]:
         workdir / "coordinator.log",
     )
     target = f"127.0.0.1:{ports['grpc']}"
-    from geodiloco.coordinator.server import initial_parameters
+    from geodiloco.coordinator.edge.server import initial_parameters
 
     record = RunRecord(workdir, cfg.inner.steps_per_round, initial_parameters(cfg).numel())
     sites: dict[str, subprocess.Popen[bytes]] = {}

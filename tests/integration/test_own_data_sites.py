@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from geodiloco.app.status import fetch_status, request_shutdown
 from geodiloco.config import load_config
-from geodiloco.status import fetch_status, request_shutdown
 from helpers import kill_tree, ledger_problems, round_log, spawn_geodiloco, start_coordinator_process
 
 pytestmark = pytest.mark.integration

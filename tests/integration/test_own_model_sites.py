@@ -13,10 +13,10 @@ import pytest
 import torch
 import transformers
 
-from geodiloco import cli
+from geodiloco.app import cli
+from geodiloco.app.export import model_with, read_committed
+from geodiloco.app.status import fetch_status, request_shutdown
 from geodiloco.config import load_config
-from geodiloco.export import model_with, read_committed
-from geodiloco.status import fetch_status, request_shutdown
 from geodiloco.workload.hf import tiny_llama
 from helpers import kill_tree, round_log, spawn_geodiloco, start_coordinator_process
 

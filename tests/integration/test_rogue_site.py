@@ -10,9 +10,9 @@ import grpc
 import pytest
 import torch
 
+from geodiloco.app.status import fetch_status, request_shutdown
 from geodiloco.compression import encode_chunks, parse_pipeline
-from geodiloco.site.client import OuterSyncClient, delta_messages
-from geodiloco.status import fetch_status, request_shutdown
+from geodiloco.site.edge.client import OuterSyncClient, delta_messages
 from geodiloco.v1 import outer_sync_pb2_grpc
 from helpers import spawn_geodiloco, start_coordinator_process, tiny_config
 

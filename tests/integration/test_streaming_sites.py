@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
+from geodiloco.app.status import fetch_status, request_shutdown
+from geodiloco.app.wan import LinkConfig, ProxyThread
 from geodiloco.config import RunConfig
-from geodiloco.coordinator.fragments import PLAN_FILE, fragment_dir
+from geodiloco.coordinator.fragment_rounds import PLAN_FILE, fragment_dir
 from geodiloco.faults import FAULT_PLAN_ENV, Fault, FaultPlan, fired
-from geodiloco.status import fetch_status, request_shutdown
-from geodiloco.wan import LinkConfig, ProxyThread
 from helpers import free_port, kill_tree, ledger_problems, round_log, serve_args, spawn_geodiloco, tiny_config
 
 pytestmark = pytest.mark.integration

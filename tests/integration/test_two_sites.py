@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from geodiloco.status import fetch_status, request_shutdown
+from geodiloco.app.status import fetch_status, request_shutdown
 from helpers import ledger_problems, spawn_geodiloco, start_coordinator_process, tiny_config
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ import torch
 
 from geodiloco.compression import encode_chunks, parse_pipeline
 from geodiloco.config import RunConfig
-from geodiloco.site.client import OuterSyncClient, delta_messages
+from geodiloco.site.edge.client import OuterSyncClient, delta_messages
 from helpers import CoordinatorThread, kill_tree, tiny_config
 
 pytestmark = pytest.mark.integration

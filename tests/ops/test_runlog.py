@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from geodiloco.coordinator.fragments import fragment_dir
+from geodiloco.app.runlog import RunLogError, load_run
+from geodiloco.coordinator.fragment_rounds import fragment_dir
 from geodiloco.coordinator.rundir import PLAN_FILE
-from geodiloco.fragments import FragmentPlan
-from geodiloco.runlog import RunLogError, load_run
+from geodiloco.fragment_plan import FragmentPlan
 
 
 def _write(path: Path, lines: list[dict[str, Any]]) -> None:

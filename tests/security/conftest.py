@@ -23,8 +23,8 @@ from geodiloco.security.policy import ServerSecurity
 from geodiloco.security.sealing import Keyring
 from geodiloco.security.secrets import load_secret
 from geodiloco.security.tls import TlsFiles
-from geodiloco.site.client import OuterSyncClient
-from geodiloco.site.client import delta_messages as push_stream
+from geodiloco.site.edge.client import OuterSyncClient
+from geodiloco.site.edge.client import delta_messages as push_stream
 from geodiloco.v1 import outer_sync_pb2_grpc
 from helpers import CoordinatorThread, tiny_config
 

@@ -9,7 +9,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from geodiloco.cli import main
+from geodiloco.app.cli import main
 from geodiloco.security.identity import Identity
 from geodiloco.security.secrets import load_secret, site_secret
 

@@ -13,14 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from geodiloco.compression import CodecError, parse_pipeline
-from geodiloco.coordinator.errors import CoordinatorError
+from geodiloco.coordinator.edge.server import data_shard_sizes, initial_parameters
+from geodiloco.coordinator.edge.service import OuterSyncServicer
+from geodiloco.coordinator.refusals import CoordinatorError
 from geodiloco.coordinator.rounds import RoundController
-from geodiloco.coordinator.server import data_shard_sizes, initial_parameters
-from geodiloco.coordinator.service import OuterSyncServicer
 from geodiloco.params import state_hash
 from geodiloco.security.chunks import open_delta, open_update
+from geodiloco.security.raw_requests import MalformedRequest, decode
 from geodiloco.security.sealing import Keyring, SealError
-from geodiloco.security.wire import MalformedRequest, decode
 from geodiloco.v1 import admin_pb2, outer_sync_pb2
 from helpers import PLAINTEXT
 
@@ -108,9 +108,10 @@ def test_push_validation_only_ever_refuses(
     servicer: OuterSyncServicer, first: Any, chunks: list[Any]
 ) -> None:
     try:
-        asyncio.run(servicer._begin(first))
+        fragment = servicer.run.fragment(first.header.fragment)
+        asyncio.run(servicer.pushes._begin(fragment, first))
         for index, chunk in enumerate([first, *chunks]):
-            servicer.intake.check_chunk(first, chunk, index)
+            servicer.pushes.intakes[-1].check_chunk(first, chunk, index)
     except CoordinatorError as exc:
         assert str(exc)
     assert servicer.c.round == 0 and not servicer.c.mean.contributors

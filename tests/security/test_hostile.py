@@ -16,7 +16,7 @@ from geodiloco.compression import envelope
 from geodiloco.compression.pipeline import parse_pipeline
 from geodiloco.security.chunks import seal_delta
 from geodiloco.security.secrets import load_secret
-from geodiloco.site.client import OuterSyncClient
+from geodiloco.site.edge.client import OuterSyncClient
 from geodiloco.v1 import outer_sync_pb2_grpc
 from helpers import CoordinatorThread
 

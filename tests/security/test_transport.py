@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from geodiloco.app.status import fetch_status, request_shutdown
 from geodiloco.security.secrets import load_secret
-from geodiloco.site.client import OuterSyncClient
-from geodiloco.status import fetch_status, request_shutdown
+from geodiloco.site.edge.client import OuterSyncClient
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
 from helpers import CoordinatorThread, tiny_config
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from geodiloco.coordinator.errors import InvalidArgument
+from geodiloco.coordinator.edge.server import data_shard_sizes, initial_parameters
+from geodiloco.coordinator.refusals import InvalidArgument
 from geodiloco.coordinator.rounds import RoundController
-from geodiloco.coordinator.server import data_shard_sizes, initial_parameters
 from geodiloco.params import state_hash
 
 from .conftest import hostile_config

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from geodiloco.security.wire import CutMessage, MalformedRequest, cut_field, decode, decode_cut
+from geodiloco.security.raw_requests import CutMessage, MalformedRequest, cut_field, decode, decode_cut
 from geodiloco.v1 import outer_sync_pb2
 
 DeltaChunk = outer_sync_pb2.DeltaChunk

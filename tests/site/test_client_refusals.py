@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from geodiloco.security.secrets import RUN_SECRET, new_run_secret, write_site_secret
-from geodiloco.site.launcher import EXIT_REFUSED
-from geodiloco.site.worker import round_train_loss
+from geodiloco.site.daemon.launcher import EXIT_REFUSED
+from geodiloco.site.daemon.worker import round_train_loss
 from helpers import CoordinatorThread, kill_tree, spawn_geodiloco, tiny_config
 
 

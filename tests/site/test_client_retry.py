@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from geodiloco.site.client import OuterSyncClient
+from geodiloco.site.edge.client import OuterSyncClient
 from geodiloco.v1 import outer_sync_pb2
 
 OK = None

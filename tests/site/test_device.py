@@ -13,7 +13,7 @@ import torch
 from geodiloco.compression import ErrorFeedback, Place, parse_pipeline
 from geodiloco.distributed import DeviceError, backend_for, resolve_device
 from geodiloco.params import Checksum, _mix, _mix_on_device, flatten_parameters, state_hash
-from geodiloco.site.layout import Autocast, LayoutError, ParallelConfig, precision_problem
+from geodiloco.site.parallel.layout import Autocast, LayoutError, ParallelConfig, precision_problem
 from geodiloco.site.shards import ShardMap
 from geodiloco.workload import GPTConfig, build_model
 from helpers import CUDA
@@ -135,7 +135,7 @@ def test_bf16_autocast_computes_in_bf16_and_keeps_fp32_parameters() -> None:
 
 def test_fp8_swaps_linears_without_changing_the_canonical_parameters() -> None:
     pytest.importorskip("torchao", reason="fp8 is the optional extra geodiloco[fp8]")
-    from geodiloco.site.layout import apply_float8
+    from geodiloco.site.parallel.layout import apply_float8
 
     model = build_model(GPTConfig(n_layer=1, n_head=2, d_model=32, seq_len=8), seed=0)
     before = [(n, p.shape) for n, p in model.named_parameters()], state_hash(flatten_parameters(model))

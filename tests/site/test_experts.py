@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from geodiloco.config import ConfigError, ModelConfig
 from geodiloco.params import flatten_parameters
-from geodiloco.site.experts import _source_to_expert_order, apply_expert_parallel
-from geodiloco.site.layout import LayoutError, ParallelConfig, build_mesh, parallelize
+from geodiloco.site.parallel.experts import _source_to_expert_order, apply_expert_parallel
+from geodiloco.site.parallel.layout import LayoutError, ParallelConfig, build_mesh, parallelize
 from geodiloco.site.shards import ShardMap
 from geodiloco.workload.loss import cross_entropy
 from geodiloco.workload.model import build_model

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from geodiloco.cli import main
-from geodiloco.site.launcher import Nodes, NodesError, worker_command
+from geodiloco.app.cli import main
+from geodiloco.site.daemon.launcher import Nodes, NodesError, worker_command
 
 
 def test_one_node_is_standalone_and_many_meet_at_node_0() -> None:
@@ -21,7 +21,7 @@ def test_one_node_is_standalone_and_many_meet_at_node_0() -> None:
         "--rdzv-conf=is_host=true",
     ]
     assert other[-1] == "--rdzv-conf=is_host=false" and other[:-1] == first[:-1]
-    cmd = worker_command("geodiloco.site.worker", 4, ["--x"], Nodes(2, 1, "h:1"))
+    cmd = worker_command("geodiloco.site.daemon.worker", 4, ["--x"], Nodes(2, 1, "h:1"))
     assert "--standalone" not in cmd and "--nproc-per-node=4" in cmd and "--max-restarts=0" in cmd
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from geodiloco.segment import Segment
-from geodiloco.site.client import LazyChunks, WireChunk
+from geodiloco.site.edge.client import LazyChunks, WireChunk
 
 
 class Counted(LazyChunks):

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from geodiloco.config import RunConfig
+from geodiloco.exchange import PushPart
 from geodiloco.params import canonical_parameters, flatten_parameters, state_hash
-from geodiloco.site.fragments import FragmentPlan
-from geodiloco.site.local_link import LocalCoordinator
+from geodiloco.site.fragment_schedule import FragmentPlan
 from geodiloco.site.outer_sync import CATCH_UP_ROUNDS, OuterSync
+from geodiloco.testing.local_link import LocalCoordinator
 from helpers import Blocks, global_snapshot, streaming_config
 
 TOKENS = 100
@@ -175,11 +176,11 @@ class LosesOnePush:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.link, name)
 
-    def push(self, fragment: int, round_: int, *args: Any, **kwargs: Any) -> None:
-        if (fragment, round_) == self.at and not self.lost:
+    def push(self, part: PushPart, *, timeout_s: float) -> None:
+        if (part.fragment, part.round) == self.at and not self.lost:
             self.lost += 1
             return
-        self.link.push(fragment, round_, *args, **kwargs)
+        self.link.push(part, timeout_s=timeout_s)
 
 
 @pytest.mark.parametrize(("fragments", "overlap"), [(1, 0), (2, 1)])

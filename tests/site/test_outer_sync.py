@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from geodiloco.app.wan import LinkConfig, ProxyThread
 from geodiloco.faults import FAULT_PLAN_ENV, fired
 from geodiloco.params import flatten_parameters, state_hash
-from geodiloco.site import OuterSync, OuterSyncClient
-from geodiloco.wan import LinkConfig, ProxyThread
+from geodiloco.site import connect
+from geodiloco.site.edge.client import OuterSyncClient
 from geodiloco.workload import build_model
 from helpers import CoordinatorThread, free_port, global_snapshot, tiny_config
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 
 def train_site(target: str, name: str, results: dict[str, list[str]], params: dict[str, list[str]]) -> None:
-    sync = OuterSync.connect(target, name)
+    sync = connect(target, name)
     cfg = sync.config
     model = sync.attach(build_model(cfg.model, cfg.seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr)
@@ -45,7 +46,7 @@ def train_site(target: str, name: str, results: dict[str, list[str]], params: di
 def test_a_push_sends_the_snapshot_minus_the_parameters_plus_the_kept_residual() -> None:
     cfg = tiny_config(rounds=1, compression__feedback_decay=0.5)
     with CoordinatorThread(cfg) as coordinator:
-        sync = OuterSync.connect(coordinator.target, "site-a")
+        sync = connect(coordinator.target, "site-a")
         model = sync.attach(build_model(cfg.model, cfg.seed))
         with torch.no_grad():
             for p in model.parameters():  # as inner steps would
@@ -117,7 +118,7 @@ def test_late_site_catches_up_from_full_state() -> None:
     with CoordinatorThread(cfg) as coordinator:
         results: dict[str, list[str]] = {}
         train_site(coordinator.target, "site-a", results, {})  # runs the whole run alone
-        late = OuterSync.connect(coordinator.target, "site-b")
+        late = connect(coordinator.target, "site-b")
         model = late.attach(build_model(cfg.model, cfg.seed))
         assert late.finished and late.round == 3
         assert state_hash(flatten_parameters(model)) == coordinator.controller.hashes[3]
@@ -127,7 +128,7 @@ def test_late_site_catches_up_from_full_state() -> None:
 def test_a_fragmented_run_is_refused_by_a_coordinator_that_keeps_one_fragment() -> None:
     refused = pytest.raises(RuntimeError, match=r"outer\.fragments is 3, but its coordinator keeps 1")
     with CoordinatorThread(tiny_config(outer__fragments=3)) as coordinator, refused:
-        OuterSync.connect(coordinator.target, "site-a")
+        connect(coordinator.target, "site-a")
 
 
 def test_site_started_before_the_coordinator_waits_for_it() -> None:
@@ -155,7 +156,7 @@ def test_a_site_on_several_streams_applies_the_same_updates() -> None:
         connections: list[int] = []
 
         def site_a() -> None:
-            sync = OuterSync.connect(proxy.address, "site-a", streams=3)
+            sync = connect(proxy.address, "site-a", streams=3)
             connections.append(proxy.proxy.open_connections)
             model = sync.attach(build_model(cfg.model, cfg.seed))
             optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr)

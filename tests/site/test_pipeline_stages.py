@@ -17,8 +17,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from geodiloco.params import canonical_parameters, flatten_parameters, state_hash
-from geodiloco.site.layout import LayoutError, ParallelConfig, build_mesh, data_parallel_rank, parallelize
-from geodiloco.site.pipeline import Pipelined, split_model, stage_blocks
+from geodiloco.site.parallel.layout import (
+    LayoutError,
+    ParallelConfig,
+    build_mesh,
+    data_parallel_rank,
+    parallelize,
+)
+from geodiloco.site.parallel.pipeline_stages import Pipelined, split_model, stage_blocks
 from geodiloco.site.shards import PLACEMENT_ATTR, ShardMap, StagePlacement, replica_groups, stage_placement
 from geodiloco.workload import GPTConfig, build_model
 from geodiloco.workload.loss import cross_entropy

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from geodiloco.compression import EncodedChunk, Place, encode_chunks, envelope, parse_pipeline
-from geodiloco.compression.errors import CodecError
+from geodiloco.compression.codec_error import CodecError
 from geodiloco.params import state_hash
-from geodiloco.site.client import PulledPart, StreamFacts
+from geodiloco.site.edge.client import PulledPart, StreamFacts
 from geodiloco.site.pull_apply import ApplyAsPulled, TornSnapshot
 from geodiloco.site.shards import ShardMap
 from helpers import CUDA

@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from geodiloco.params import HASH_BLOCK
-from geodiloco.site.layout import ParallelConfig, build_mesh, parallelize
-from geodiloco.site.outer_sync import OuterSync
+from geodiloco.site import connect
+from geodiloco.site.parallel.layout import ParallelConfig, build_mesh, parallelize
 from geodiloco.workload import build_model
 from helpers import CoordinatorThread, free_port, tiny_config
 
@@ -61,7 +61,7 @@ def _rank_main(rank: int, target: str, port: int, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        sync = OuterSync.connect(target, "site-a")
+        sync = connect(target, "site-a")
         cfg = sync.config
         model = build_model(cfg.model, cfg.seed)
         layout = ParallelConfig.parse("fsdp", 2)

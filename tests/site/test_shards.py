@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from geodiloco.compression import Place, encode_chunks, parse_pipeline
 from geodiloco.params import Checksum, flatten_parameters, state_hash
 from geodiloco.segment import Segment
-from geodiloco.site.layout import ParallelConfig, build_mesh, parallelize
+from geodiloco.site.parallel.layout import ParallelConfig, build_mesh, parallelize
 from geodiloco.site.shards import ShardMap, subview
 from geodiloco.workload import GPTConfig, build_model
 from helpers import free_port

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from test_link_local import TOKENS, Blocks, config, coordinator_for, inner_step
 
-import geodiloco.site.checkpoint as checkpoint
+import geodiloco.site.parallel.checkpoint as checkpoint
 from geodiloco.params import flatten_parameters
 from geodiloco.site.outer_sync import OuterSync
 

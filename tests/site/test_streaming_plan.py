@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from geodiloco.site.fragments import FragmentPlan, Schedule, block_index
+from geodiloco.site.fragment_schedule import FragmentPlan, Schedule, block_index
 
 GPT = [  # canonical order (sorted by name), as a 4-block GPT lists them
     *((f"blocks.{i}.{part}", n) for i in range(4) for part, n in (("attn.w", 64), ("mlp.w", 128))),

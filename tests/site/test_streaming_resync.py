@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from test_link_local import config, coordinator_for, run_sites
 
+from geodiloco.exchange import PushPart
 from geodiloco.site.link import Resync
-from geodiloco.site.local_link import LocalCoordinator
+from geodiloco.testing.local_link import LocalCoordinator
 from helpers import global_snapshot
 
 
@@ -25,8 +26,8 @@ class ForgetsTheSite:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.link, name)
 
-    def push(self, fragment: int, round_: int, *args: Any, **kwargs: Any) -> None:
-        if (fragment, round_) == self.at and not self.fired:
+    def push(self, part: PushPart, *, timeout_s: float) -> None:
+        if (part.fragment, part.round) == self.at and not self.fired:
             self.fired += 1
 
             async def forget() -> None:
@@ -35,7 +36,7 @@ class ForgetsTheSite:
 
             self.coordinator.call(forget())
             raise Resync("FAILED_PRECONDITION site has not joined (state: absent); call Join")
-        self.link.push(fragment, round_, *args, **kwargs)
+        self.link.push(part, timeout_s=timeout_s)
 
 
 def test_a_forgotten_site_pushes_its_open_fragment_round_again() -> None:

@@ -24,8 +24,8 @@ from geodiloco.builders import (
     check_workload,
 )
 from geodiloco.config import ConfigError, RunConfig, load_config
+from geodiloco.coordinator.edge.server import data_shard_sizes
 from geodiloco.coordinator.ledger import DataLedger
-from geodiloco.coordinator.server import data_shard_sizes
 from geodiloco.workload.datasets import DataSource
 
 MODULE = "test_datasets"

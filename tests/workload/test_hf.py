@@ -12,11 +12,11 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from geodiloco.app.export import export, model_with
 from geodiloco.builders import build_data, build_loss, build_model, check_workload
 from geodiloco.config import ConfigError, RunConfig, load_config
+from geodiloco.coordinator.edge.server import data_shard_sizes, initial_parameters
 from geodiloco.coordinator.rounds import RoundController
-from geodiloco.coordinator.server import data_shard_sizes, initial_parameters
-from geodiloco.export import export, model_with
 from geodiloco.params import flatten_parameters
 from geodiloco.workload.data import DataRange
 from geodiloco.workload.hf import tiny_llama

@@ -180,7 +180,7 @@ def test_the_reference_workload_leaves_dtensor_unimported() -> None:
     """The coordinator reads the reference workload to build θ_0 and the data's shard sizes;
     DTensor's imports (sympy among them) would add about 40 MB to its memory for nothing."""
     code = (
-        "import sys, geodiloco.coordinator.server, geodiloco.workload.reference; "
+        "import sys, geodiloco.coordinator.edge.server, geodiloco.workload.reference; "
         "print(sorted(m for m in ('sympy', 'torch.distributed.tensor') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from geodiloco.builders import build_data, build_loss, check_site_step
 from geodiloco.config import ConfigError, RunConfig, load_config
-from geodiloco.coordinator.server import data_shard_sizes
+from geodiloco.coordinator.edge.server import data_shard_sizes
 from geodiloco.workload.data import DataRange, load_corpus
 from geodiloco.workload.steps import inner_step
 

@@ -8,7 +8,7 @@ experts by router probability, and their outputs are mixed with those probabilit
 
 Experts are stacked parameters, ``w_in [E, d, hidden]`` and ``w_out [E, hidden, d]``, so the
 canonical parameter list is the same whatever a site does with them; expert parallelism
-(:mod:`geodiloco.site.experts`) shards them on dim 0, which makes a rank's experts one contiguous
+(:mod:`geodiloco.site.parallel.experts`) shards them on dim 0, which makes a rank's experts one contiguous
 range of the canonical vector.
 
 The load-balancing loss enters through the gradient: the logits carry it backwards, so it is
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 
 class Dispatch(Protocol):
-    """How tokens reach experts held elsewhere (:class:`geodiloco.site.experts.AllToAll`)."""
+    """How tokens reach experts held elsewhere (:class:`geodiloco.site.parallel.experts.AllToAll`)."""
 
     def __call__(self, experts: GroupedExperts, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Outputs for ``tokens`` sorted by expert, ``counts[e]`` of them for expert ``e``."""

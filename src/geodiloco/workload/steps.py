@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 @runtime_checkable
 class Staged(Protocol):
     """A model that runs its own forward and backward over several ranks (a pipeline stage,
-    :class:`geodiloco.site.pipeline.Pipelined`): the loss is found on one rank and shared, and
+    :class:`geodiloco.site.parallel.pipeline_stages.Pipelined`): the loss is found on one rank and shared, and
     the gradient norm spans the ranks."""
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Per-fragment rounds on the coordinator's side: one round controller per fragment.
 
-Each fragment of the canonical vector (the plan of :mod:`geodiloco.fragments`) is its own
+Each fragment of the canonical vector (the plan of :mod:`geodiloco.fragment_plan`) is its own
 DiLoCo run: its own θ (the fragment's vector), rounds, deadline, outer-optimizer momentum,
 downlink error feedback, committed updates and hash chain; a late push of one fragment is
 dropped and counted by that fragment alone. Chunks and hashes speak fragment-local positions.
@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from geodiloco.config import RunConfig
-from geodiloco.coordinator.errors import CorruptStateError, InvalidArgument
+from geodiloco.coordinator.refusals import CorruptStateError, InvalidArgument
 from geodiloco.coordinator.rounds import RoundController, SiteRecord
 from geodiloco.coordinator.rundir import PLAN_FILE, check_run_config
-from geodiloco.fragments import FragmentPlan
+from geodiloco.fragment_plan import FragmentPlan
 from geodiloco.params import flatten_parameters
 from geodiloco.security.sealing import Sealer
 from geodiloco.workload.data import DataRange

@@ -56,8 +56,8 @@ def read_committed(
     rounds before the last snapshot are no longer stored. A streaming run's (P > 1 fragments) θ
     is assembled from every fragment's θ after ``round_`` of its rounds (default: its last)."""
     from geodiloco.coordinator.durable import STATE_FILE, STATE_LABEL
+    from geodiloco.coordinator.edge.server import initial_parameters
     from geodiloco.coordinator.rundir import PLAN_FILE
-    from geodiloco.coordinator.server import initial_parameters
     from geodiloco.coordinator.updatelog import UPDATES_DIR
     from geodiloco.security.sealing import Keyring
     from geodiloco.security.secrets import load_secret
@@ -85,8 +85,8 @@ def read_committed(
 
 def _read_fragments(run_dir: Path, cfg: RunConfig, sealer: Sealer | None, round_: int | None) -> Committed:
     """Every fragment's committed θ, scattered into the canonical vector by the run's plan."""
-    from geodiloco.coordinator.errors import CorruptStateError
-    from geodiloco.coordinator.fragments import fragment_dir, read_plan
+    from geodiloco.coordinator.fragment_rounds import fragment_dir, read_plan
+    from geodiloco.coordinator.refusals import CorruptStateError
 
     try:
         plan = read_plan(run_dir)

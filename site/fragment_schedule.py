@@ -1,6 +1,6 @@
 """When a site syncs each fragment (Streaming DiLoCo), and a module view of one fragment.
 
-The plan itself (which parameters each fragment holds) is :mod:`geodiloco.fragments`, shared
+The plan itself (which parameters each fragment holds) is :mod:`geodiloco.fragment_plan`, shared
 with the coordinator. Fragment p is merged every H inner steps at step ``(p + 1)·H // P`` of
 the round (fragment P−1 at the round's end, as blocking DiLoCo does) and pushed τ steps before
 that, so the exchange overlaps τ inner steps; with τ < H // P one fragment at most is on the
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from geodiloco.fragments import FragmentPlan, block_index
+from geodiloco.fragment_plan import FragmentPlan, block_index
 
 __all__ = ["FragmentPlan", "ParameterSubset", "Schedule", "block_index"]
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import grpc
 
+from geodiloco.app.status import fetch_status, human_bytes, request_shutdown
 from geodiloco.config import REFERENCE_BUILDERS, ConfigError, RunConfig, apply_overrides
 from geodiloco.security.pki import PkiDir
 from geodiloco.security.tls import TlsFiles
-from geodiloco.site.launcher import worker_command, worker_env
-from geodiloco.status import fetch_status, human_bytes, request_shutdown
+from geodiloco.site.daemon.launcher import worker_command, worker_env
 
 # Chosen from measurement on this workload (README, "Choosing the demo's settings"): from
 # scratch over 900 steps, outer momentum only hurt here, so the demo averages (lr 1, no momentum).
@@ -263,7 +263,7 @@ def run_baseline(cfg: RunConfig, ranks_per_site: int, run_dir: Path) -> dict[str
     config_path.write_text(cfg.to_json())
     out = run_dir / "baseline.json"
     args = ["--config", str(config_path), "--ranks-per-site", str(ranks_per_site), "--out", str(out)]
-    cmd = worker_command("geodiloco.baseline", len(cfg.sites) * ranks_per_site, args)
+    cmd = worker_command("geodiloco.app.baseline", len(cfg.sites) * ranks_per_site, args)
     with open(run_dir / "baseline.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=worker_env())
         assert proc.stdout is not None

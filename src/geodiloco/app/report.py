@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from geodiloco.plots import Plot, bytes_plot, eval_loss_plot, timeline_plot
-from geodiloco.runlog import RunLog, RunLogError, load_run
-from geodiloco.status import human_bytes
+from geodiloco.app.plots import Plot, bytes_plot, eval_loss_plot, timeline_plot
+from geodiloco.app.runlog import RunLog, RunLogError, load_run
+from geodiloco.app.status import human_bytes
 
 MARKDOWN = "report.md"
 

@@ -128,5 +128,7 @@ def run_site(
     # tracebacks, no torchrun failure box) and this node's launcher exits EXIT_REFUSED
     with tempfile.TemporaryDirectory(prefix="geodiloco-site-") as scratch:
         refusal = Path(scratch) / "refused"
-        code = run_torchrun("geodiloco.site.worker", nproc, args, nodes, {REFUSAL_FILE_ENV: str(refusal)})
+        code = run_torchrun(
+            "geodiloco.site.daemon.worker", nproc, args, nodes, {REFUSAL_FILE_ENV: str(refusal)}
+        )
         return EXIT_REFUSED if refusal.exists() else code

@@ -22,21 +22,21 @@ from geodiloco.builders import build_data, build_model, check_workload_sized
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.arenas import limit_arenas
 from geodiloco.coordinator.durable import STATE_FILE, STATE_LABEL
-from geodiloco.coordinator.fragments import FragmentedController, open_fragments
+from geodiloco.coordinator.edge.service import AdminServicer, OuterSyncServicer
+from geodiloco.coordinator.fragment_rounds import FragmentedController, open_fragments
 from geodiloco.coordinator.journal import Journal
-from geodiloco.coordinator.metrics import CoordinatorMetrics
+from geodiloco.coordinator.round_metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.coordinator.rundir import lock_run_dir
-from geodiloco.coordinator.service import AdminServicer, OuterSyncServicer
 from geodiloco.coordinator.unbuffered import drop_read_ahead
-from geodiloco.metrics import MetricsServer, serve_metrics
 from geodiloco.pages import keep_freed_pages
 from geodiloco.params import flatten_parameters
+from geodiloco.prometheus import MetricsServer, serve_metrics
 from geodiloco.security.policy import ServerSecurity, is_loopback
+from geodiloco.security.raw_requests import strict_service
 from geodiloco.security.sealing import Keyring
 from geodiloco.security.secrets import load_secret
 from geodiloco.security.tls import TlsFiles
-from geodiloco.security.wire import strict_service
 from geodiloco.v1 import admin_pb2, outer_sync_pb2
 
 log = logging.getLogger("geodiloco.coordinator")

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geodiloco.coordinator.errors import CorruptStateError
 from geodiloco.coordinator.journal import read_lines
+from geodiloco.coordinator.refusals import CorruptStateError
 from geodiloco.coordinator.rundir import EVENTS_FILE, PLAN_FILE, ROUND_LOG
 
 CONTRIBUTING = ("accepted", "part")  # push outcomes that carried a contribution's bytes
@@ -72,7 +72,7 @@ def round_log(directory: Path) -> Path:
     rounds settle the data ledger and end each round of H steps."""
     if not (directory / PLAN_FILE).is_file():
         return directory / ROUND_LOG
-    from geodiloco.coordinator.fragments import fragment_dir, read_plan  # torch: streaming runs only
+    from geodiloco.coordinator.fragment_rounds import fragment_dir, read_plan  # torch: streaming runs only
 
     try:
         count = read_plan(directory).count

@@ -1,7 +1,7 @@
 """Thin gRPC servicers: decode, validate the wire, delegate to the round controllers.
 
 A run of ``outer.fragments`` P keeps one round controller per fragment
-(:class:`~geodiloco.coordinator.fragments.FragmentedController`): pushes, pulls and reports are
+(:class:`~geodiloco.coordinator.fragment_rounds.FragmentedController`): pushes, pulls and reports are
 routed by the fragment they name (an untrusted count, refused with INVALID_ARGUMENT unless
 0 <= fragment < P, before anything else of the request is read); joins, heartbeats and leaves
 reach every fragment. The last fragment settles the data ledger and speaks for the run in Join's
@@ -26,26 +26,26 @@ import grpc
 from google.protobuf.message import Message
 
 from geodiloco import __version__
-from geodiloco.compression import CodecError, EncodedChunk
-from geodiloco.coordinator.errors import (
-    CoordinatorError,
+from geodiloco.compression import EncodedChunk
+from geodiloco.coordinator.fragment_rounds import FragmentedController
+from geodiloco.coordinator.intake import Pushes, PushOutcome
+from geodiloco.coordinator.journal import Journal
+from geodiloco.coordinator.refusals import (
+    REFUSALS,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
-    LateContribution,
     ResourceExhausted,
     Unauthenticated,
+    refusal_code,
 )
-from geodiloco.coordinator.fragments import FragmentedController
-from geodiloco.coordinator.intake import Intake, PartStream, StagedContribution
-from geodiloco.coordinator.journal import Journal
-from geodiloco.coordinator.metrics import CoordinatorMetrics
+from geodiloco.coordinator.round_metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController, SiteRecord
-from geodiloco.security.chunks import KeyMismatch, open_delta, sealed_update_payload
+from geodiloco.security.chunks import sealed_update_payload
 from geodiloco.security.policy import Denied, ServerSecurity, is_admin, peer_identity, require_site
 from geodiloco.security.ratelimit import RateLimiter
-from geodiloco.security.sealing import Sealer, SealError
-from geodiloco.security.wire import MalformedRequest, encode_with, wire_size
+from geodiloco.security.raw_requests import encode_with, wire_size
+from geodiloco.security.sealing import Sealer
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
 from geodiloco.wire import PUSHER_KEY, ranges_to_proto
 
@@ -56,19 +56,8 @@ def _finite_or_zero(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
 
-NOT_SEALING = "this run does not seal payloads (the coordinator runs --insecure): send key_id 0 and no nonce"
-
-REFUSALS = (CoordinatorError, CodecError, SealError, MalformedRequest, Denied)
-
-
 def _status(exc: Exception) -> grpc.StatusCode:
-    if isinstance(exc, CoordinatorError):
-        return grpc.StatusCode[exc.status]
-    if isinstance(exc, Denied):
-        return grpc.StatusCode.PERMISSION_DENIED
-    if isinstance(exc, KeyMismatch):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    return grpc.StatusCode.INVALID_ARGUMENT  # corrupt, undecodable or tampered input
+    return grpc.StatusCode[refusal_code(exc)]
 
 
 async def _abort(context: grpc.aio.ServicerContext, rpc: str, site: str, exc: Exception) -> None:
@@ -111,21 +100,9 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         self.c = self.run.primary
         self.security = security
         self.joins = RateLimiter(controller.cfg.limits.joins_per_minute)
-        self.intakes = [
-            Intake(
-                c.uplink,
-                c.num_params,
-                c.cfg.compression.chunk_elements,
-                c.cfg.limits,
-                self._open,
-                c.run_dir,
-                fragment=p,
-            )
-            for p, c in enumerate(self.run.fragments)
-        ]
-        self.intake = self.intakes[-1]
         self.metrics = metrics or CoordinatorMetrics(self.c)
         self.journal = journal or Journal(None)
+        self.pushes = Pushes(self.run, security.keyring, self.metrics, self.journal)
 
     def _count(self, site: str, received: Message | None = None, sent: Message | None = None) -> None:
         self.c.count_bytes(
@@ -189,8 +166,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             self.c.site(request.site)  # a site outside the run is told that first
             self._check_key_proof(request)
             record = await self.run.join(request.site, request.run_id, request.world_size)
-            for intake in self.intakes:
-                intake.forget_site(request.site)  # a rejoined site pushes its rounds afresh
+            self.pushes.forget_site(request.site)  # a rejoined site pushes its rounds afresh
             if request.version and request.version != __version__:
                 log.warning(
                     "site %s runs geodiloco %s, coordinator %s", request.site, request.version, __version__
@@ -265,54 +241,38 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
 
         return await self._unary("Leave", request, context, handle)
 
-    async def PushDelta(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
-        site, round_, fragment, wire_bytes = "", 0, 0, 0
-        c = self.c
+    async def PushDelta(
+        self, request_iterator: AsyncIterator[outer_sync_pb2.DeltaChunk], context: grpc.aio.ServicerContext
+    ) -> outer_sync_pb2.PushAck:
         timeout_s = self.c.cfg.limits.chunk_timeout_s
-        stream: PartStream | None = None
-        started = time.time()
         opener = self._pusher(context)
-        try:
+        site = ""
+
+        async def chunks() -> AsyncIterator[outer_sync_pb2.DeltaChunk]:
+            nonlocal site
             with self.run.transferring(opener):  # alive while its first chunk crosses a slow link
-                first = await _next_chunk(request_iterator, timeout_s)
-            if first is None:
-                raise InvalidArgument("empty push: no chunks received")
-            require_site(self.security, context, first.header.site)
-            if opener and opener != first.header.site:
-                raise InvalidArgument(
-                    f"the push opened as site {opener!r} carries chunks of {first.header.site!r}"
-                )
-            site, round_, fragment = first.header.site, first.header.round, first.header.fragment
-            c = self.run.fragment(fragment)  # before anything of the push is read or kept
-            stream = await self._begin(first)
-            chunk = first
-            with self.run.transferring(site):
-                while chunk is not None:
-                    size = wire_size(request_iterator, chunk)
-                    self.c.count_bytes(site, received=size)
-                    wire_bytes += size
-                    await stream.add(chunk)
-                    chunk = await _next_chunk(request_iterator, timeout_s)
-                await stream.drain()
-            outcome = await self._complete(c, stream)
+                chunk = await _next_chunk(request_iterator, timeout_s)
+            if chunk is not None:
+                site = chunk.header.site
+                require_site(self.security, context, site)
+            while chunk is not None:
+                yield chunk
+                chunk = await _next_chunk(request_iterator, timeout_s)
+
+        def count(site: str, chunk: outer_sync_pb2.DeltaChunk) -> int:
+            size = wire_size(request_iterator, chunk)
+            self.c.count_bytes(site, received=size)
+            return size
+
+        try:
+            receipt = await self.pushes.receive(opener, chunks(), count)
         except REFUSALS as exc:
-            if stream is not None:
-                stream.abandon()
-            c.record_rejection(site, exc)  # a late fragment is counted by its own fragment
-            outcome = "late" if isinstance(exc, LateContribution) else "rejected"
-            self._pushed(site, round_, fragment, started, wire_bytes, outcome, _status(exc).name)
             await _abort(context, "PushDelta", site, exc)
-        except BaseException:  # cancelled (the stream broke): the retry must find the part free
-            if stream is not None:
-                stream.abandon()
-            raise
-        assert stream is not None
-        duplicate = outcome == "duplicate"
-        self._pushed(site, round_, fragment, started, wire_bytes, outcome)
-        if not duplicate:
-            self.metrics.push_compressed(site, stream.covered, stream.payload_bytes)
         ack = outer_sync_pb2.PushAck(
-            round=round_, fragment=fragment, duplicate=duplicate, payload_bytes=stream.payload_bytes
+            round=receipt.round,
+            fragment=receipt.fragment,
+            duplicate=receipt.outcome is PushOutcome.DUPLICATE,
+            payload_bytes=receipt.payload_bytes,
         )
         self._count(site, sent=ack)
         return ack
@@ -325,77 +285,6 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             return identity.name if identity is not None and identity.role == "site" else ""
         named = [v for k, v in context.invocation_metadata() or () if k == PUSHER_KEY]
         return named[0] if named and isinstance(named[0], str) else ""
-
-    def _pushed(
-        self,
-        site: str,
-        round_: int,
-        fragment: int,
-        started: float,
-        wire_bytes: int,
-        outcome: str,
-        reason: str = "",
-    ) -> None:
-        """Metrics and journal for one push stream: a whole contribution accepted, one part of
-        it received ("part"), a duplicate, or a refusal (late, rejected)."""
-        self.metrics.contribution(site, outcome, reason)
-        self.journal.write(
-            "push",
-            site=site,
-            round=round_,
-            **({"fragment": fragment} if self.run.count > 1 else {}),
-            t0=started,
-            t1=time.time(),
-            bytes=wire_bytes,
-            outcome=outcome,
-        )
-
-    def _open(self, chunk: Any) -> bytes | memoryview:
-        """A chunk's payload, authenticated and opened with its site's key (worker thread).
-        A sealed chunk to a run that does not seal is named as such, not left to fail decoding.
-        Unsealed, the payload as received: a view of the message's bytes, not a copy."""
-        if self.security.keyring is None:
-            if chunk.header.nonce or chunk.header.key_id:
-                raise FailedPrecondition(NOT_SEALING)
-            return chunk.payload
-        return open_delta(self.security.keyring.site(chunk.header.site).up, chunk)
-
-    async def _begin(self, first: Any) -> PartStream:
-        """The stream of this part (of its fragment); a duplicate (already accepted or received)
-        only gets checked."""
-        h = first.header
-        c = self.run.fragment(h.fragment)
-        duplicate = c.check_push(h.site, h.run_id, h.round)
-        intake = self.intakes[h.fragment]
-        stream = await intake.begin(first)  # authenticated before anything of it is kept
-        intake.drop_closed(c.round)
-        if not duplicate and not c.check_push(h.site, h.run_id, h.round):
-            stream.open()
-        return stream
-
-    async def _complete(self, c: RoundController, stream: PartStream) -> str:
-        """A part ended whole: "part" (more to come), "duplicate" (an identical repeat; a
-        different one is refused), or "accepted" once its contribution is complete, tiles the
-        model and is folded by the controller."""
-        staged = stream.end()
-        if staged is None and stream.attempt is not None:
-            return "part"
-        if staged is not None:
-            try:
-                staged.check_covered(c.num_params)
-                h = stream.first.header
-                contribution = StagedContribution(staged, stream.intake.pool)
-                # only the primary fragment's pushes carry the data the site trained on
-                data = staged.data if self.run.settles_data(h.fragment) else None
-                accepted = await c.contribute(
-                    h.site, h.run_id, h.round, staged.tokens, contribution, data, contribution.digest
-                )
-            finally:
-                stream.intake.release(stream.site, staged)
-            if accepted:
-                return "accepted"
-        stream.check_repeat(c.accepted_digest(stream.site, stream.round))
-        return "duplicate"
 
     async def PullUpdate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         kind = request.kind

@@ -3,6 +3,11 @@
 ``status`` names the code (a ``grpc.StatusCode`` member name), so nothing here imports grpc.
 """
 
+from geodiloco.compression import CodecError
+from geodiloco.security.chunks import KeyMismatch
+from geodiloco.security.request_errors import Denied, MalformedRequest
+from geodiloco.security.sealing import SealError
+
 
 class CoordinatorError(Exception):
     status = "INTERNAL"
@@ -72,3 +77,18 @@ class StateError(ValueError):
 
 class CorruptStateError(StateError):
     """A state file that is truncated, altered or not a geodiloco state file."""
+
+
+# every refusal of a request: the core's own, the codecs', the sealing's and the transport's
+REFUSALS = (CoordinatorError, CodecError, SealError, MalformedRequest, Denied)
+
+
+def refusal_code(exc: Exception) -> str:
+    """The gRPC status code name a refusal is answered with (the edge maps the name to the code)."""
+    if isinstance(exc, CoordinatorError):
+        return exc.status
+    if isinstance(exc, Denied):
+        return "PERMISSION_DENIED"
+    if isinstance(exc, KeyMismatch):
+        return "FAILED_PRECONDITION"
+    return "INVALID_ARGUMENT"  # corrupt, undecodable or tampered input

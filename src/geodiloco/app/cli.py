@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from geodiloco import __version__
-from geodiloco.errors import ConfigError
+from geodiloco.config_errors import ConfigError
 from geodiloco.logs import FORMAT_ENV, FORMATS, setup_logging
 
 if TYPE_CHECKING:
@@ -363,7 +363,7 @@ def _serve(args: argparse.Namespace) -> int:
         read_ahead(args.run_dir / STATE_FILE)
     from geodiloco.config import load_config
     from geodiloco.coordinator.durable import StateError
-    from geodiloco.coordinator.server import BindError, ServeOptions, serve
+    from geodiloco.coordinator.edge.server import BindError, ServeOptions, serve
 
     cfg = load_config(args.config, args.overrides)
     try:
@@ -403,9 +403,9 @@ def _check_bindable(flag: str, host: str, port: int) -> None:
 
 
 def _site_run(args: argparse.Namespace) -> int:
-    from geodiloco.metrics import HOST_ENV, PORT_ENV
+    from geodiloco.prometheus import HOST_ENV, PORT_ENV
     from geodiloco.security.secrets import load_secret
-    from geodiloco.site.launcher import run_site
+    from geodiloco.site.daemon.launcher import run_site
 
     tls = _tls(args, _target_host(args.coordinator))
     if tls is not None:
@@ -418,8 +418,8 @@ def _site_run(args: argparse.Namespace) -> int:
             secret = load_secret(args.secret)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-    from geodiloco.site.launcher import Nodes, NodesError
-    from geodiloco.site.layout import LayoutError, ParallelConfig
+    from geodiloco.site.daemon.launcher import Nodes, NodesError
+    from geodiloco.site.parallel.layout import LayoutError, ParallelConfig
 
     try:
         nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, rdzv_id=args.name)
@@ -444,10 +444,10 @@ def _site_run(args: argparse.Namespace) -> int:
     if args.checkpoint_dir is not None:
         extra += ["--checkpoint-dir", str(args.checkpoint_dir.resolve())]
         extra += ["--checkpoint-every", str(args.checkpoint_every or 0)]
-    if args.metrics_port is not None:  # read by rank 0 (geodiloco.metrics.SiteTelemetry)
+    if args.metrics_port is not None:  # read by rank 0 (geodiloco.prometheus.SiteTelemetry)
         _check_bindable("--metrics-port", args.metrics_host, args.metrics_port)
         os.environ[PORT_ENV], os.environ[HOST_ENV] = str(args.metrics_port), args.metrics_host
-    from geodiloco.security.admission import NotAdmitted, check_admitted
+    from geodiloco.site.edge.admission import NotAdmitted, check_admitted
 
     try:  # before torchrun, so a refusal is one line rather than a rank's traceback
         check_admitted(args.coordinator, args.name, tls, secret)
@@ -486,7 +486,7 @@ def _certs(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import grpc
 
-    from geodiloco.status import fetch_status, format_status, visible_dict
+    from geodiloco.app.status import fetch_status, format_status, visible_dict
 
     tls = _tls(args, _target_host(args.coordinator))
     viewer = None  # plaintext (loopback): the coordinator shows everything
@@ -509,8 +509,8 @@ def _health(args: argparse.Namespace) -> int:
     """For container and exec probes: no output when SERVING, a reason otherwise."""
     import grpc
 
+    from geodiloco.app.status import check_health
     from geodiloco.security.tls import TlsFiles
-    from geodiloco.status import check_health
 
     given = (args.tls_cert, args.tls_key, args.tls_ca)
     if any(given) and not all(given):
@@ -532,7 +532,7 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from geodiloco.report import ReportError, write_report
+    from geodiloco.app.report import ReportError, write_report
 
     try:
         report = write_report(args.run_dir, args.out)
@@ -545,8 +545,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from geodiloco.app.export import ExportError, export
     from geodiloco.config import load_config
-    from geodiloco.export import ExportError, export
 
     config = args.config
     if config is None:  # a coordinator's (or a demo's) run directory holds the run's config
@@ -566,7 +566,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from geodiloco.demo import DemoOptions, demo_config, run_demo
+    from geodiloco.app.demo import DemoOptions, demo_config, run_demo
 
     opts = DemoOptions(
         sites=args.sites,
@@ -586,8 +586,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _baseline(args: argparse.Namespace) -> int:
+    from geodiloco.app.demo import run_baseline
     from geodiloco.config import load_config
-    from geodiloco.demo import run_baseline
 
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(tempfile.mkdtemp(prefix="geodiloco-baseline-"))
@@ -599,7 +599,7 @@ def _baseline(args: argparse.Namespace) -> int:
 
 
 def _wan(args: argparse.Namespace) -> int:
-    from geodiloco.wan import LinkConfig, serve
+    from geodiloco.app.wan import LinkConfig, serve
 
     checks = [
         (args.rate_mbps >= 0, "--rate-mbps", "must be >= 0"),

@@ -13,23 +13,23 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import torch
 
-from geodiloco.compression import EncodedChunk, Place, parse_pipeline
+from geodiloco.compression import Place, parse_pipeline
 from geodiloco.config import RunConfig
-from geodiloco.coordinator.errors import (
+from geodiloco.coordinator.fragment_rounds import FragmentedController
+from geodiloco.coordinator.refusals import (
     ContributionMissing,
     CoordinatorError,
     FailedPrecondition,
     LateContribution,
 )
-from geodiloco.coordinator.fragments import FragmentedController
 from geodiloco.coordinator.rounds import RoundController
-from geodiloco.fragments import FragmentPlan
-from geodiloco.site.client import ChunkSink, JoinInfo, PulledPart, WireChunk, wire_chunk, without_payload
+from geodiloco.exchange import ChunkSink, JoinInfo, PulledPart, PushPart, wire_chunk, without_payload
+from geodiloco.fragment_plan import FragmentPlan
 from geodiloco.site.link import FragmentState, Joined, Late, LinkError, PushAgain, Resync
 from geodiloco.workload.data import DataRange
 
@@ -180,23 +180,12 @@ class LocalLink:
     async def _heartbeat(self) -> None:
         self.c.member(self.site, self.run_id)
 
-    def push(
-        self,
-        fragment: int,
-        round_: int,
-        codec: str,
-        chunks: Sequence[WireChunk | EncodedChunk],
-        tokens: int,
-        data: list[DataRange] | None,
-        *,
-        part: int,
-        parts: int,
-        timeout_s: float,
-    ) -> None:
+    def push(self, part: PushPart, *, timeout_s: float) -> None:
+        fragment, round_, chunks = part.fragment, part.round, part.chunks
         c = self._fragment(fragment)
         if self._run(self._check(c, round_), timeout_s):
             return  # an idempotent repeat of an accepted push
-        pipeline = parse_pipeline(codec)
+        pipeline = parse_pipeline(part.codec)
         key = (fragment, round_)
         with self._lock:
             staged, received = self._staged.setdefault(
@@ -209,11 +198,11 @@ class LocalLink:
             segment.view_of(staged).copy_(values.view(segment.rows, segment.row_len))
             self.bytes_sent += len(chunk.payload)
         with self._lock:
-            received.add(part)
-            if len(received) < parts:
+            received.add(part.part)
+            if len(received) < part.parts:
                 return
             del self._staged[key]
-        self._run(self._contribute(c, round_, tokens, staged, data), timeout_s)
+        self._run(self._contribute(c, round_, part.tokens, staged, part.data), timeout_s)
 
     async def _check(self, c: RoundController, round_: int) -> bool:
         """True for a duplicate; a late push is counted as the gRPC service counts it."""

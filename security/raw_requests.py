@@ -17,11 +17,9 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from geodiloco.security.request_errors import MalformedRequest
+
 log = logging.getLogger("geodiloco.coordinator")
-
-
-class MalformedRequest(ValueError):
-    """Bytes that are not a valid message of the expected type."""
 
 
 def decode(cls: type[Message], data: bytes) -> Any:

@@ -5,7 +5,7 @@ Each site chooses its own layout (``geodiloco site run --layout fsdp``); the wir
 it. Parallelism is applied with plain functions on an ordinary ``nn.Module``, in the order
 torchtitan uses: tensor parallel first, then FSDP2 over the data-parallel dims (HSDP when some
 of them replicate), or DDP when every rank holds the whole model. With ``pp=N`` the model is cut
-into N stages first (:mod:`geodiloco.site.pipeline`) and the data-parallel wrapping applies to
+into N stages first (:mod:`geodiloco.site.parallel.pipeline_stages`) and the data-parallel wrapping applies to
 each stage over its own ranks.
 
 Mixed precision as people run it: ``bf16`` is FSDP2's ``MixedPrecisionPolicy`` (bf16 compute
@@ -29,9 +29,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-from geodiloco.site import plans
-from geodiloco.site.experts import apply_expert_parallel, expert_mesh
-from geodiloco.site.pipeline import Pipelined, split_stage
+from geodiloco.site.parallel import plans
+from geodiloco.site.parallel.experts import apply_expert_parallel, expert_mesh
+from geodiloco.site.parallel.layout_error import LayoutError
+from geodiloco.site.parallel.pipeline_stages import Pipelined, split_stage
 from geodiloco.workload.model import ByteGPT
 
 PRESETS = ("ddp", "fsdp", "hsdp", "tp", "fsdp+tp", "ep")
@@ -42,17 +43,13 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 MICROBATCHES = "microbatches"  # a layout key that is not a mesh dim: the pipeline's microbatches
 
 
-class LayoutError(ValueError):
-    """A layout that does not fit the site's ranks or that this version cannot build."""
-
-
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
     """pp x dp_replicate x dp_shard x tp = the site's ranks; ``mixed_precision``: fp32, bf16 or
     fp8; ``microbatches``: how many a pipeline splits each batch into (0: one per stage).
 
     ``ep``: the data-parallel ranks split each mixture-of-experts layer's experts in groups of
-    ``ep`` (:mod:`geodiloco.site.experts`); it divides them rather than multiplying the ranks."""
+    ``ep`` (:mod:`geodiloco.site.parallel.experts`); it divides them rather than multiplying the ranks."""
 
     pp: int = 1
     dp_replicate: int = 1
@@ -209,7 +206,7 @@ def data_parallel_rank(mesh: DeviceMesh) -> int:
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Split each block by the plan its structure calls for (:mod:`geodiloco.site.plans`): the
+    """Split each block by the plan its structure calls for (:mod:`geodiloco.site.parallel.plans`): the
     reference GPT's MLP, or a Llama-style layer's attention heads and MLP."""
     for block, plan in plans.tensor_parallel_plans(model, mesh.size()):
         parallelize_module(block, mesh, plan)
@@ -232,8 +229,9 @@ def parallelize(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> n
 
     Parameters keep their canonical names: FSDP2 and TP change them in place, DDP and autocast
     add only a ``module.`` prefix that :func:`geodiloco.params.canonical_name` strips. With pipeline
-    stages, ``model`` keeps only this rank's stage (see :func:`geodiloco.site.pipeline.split_stage`)
-    and the module returned runs the pipeline schedule."""
+    stages, ``model`` keeps only this rank's stage (see
+    :func:`geodiloco.site.parallel.pipeline_stages.split_stage`) and the module returned runs the
+    pipeline schedule."""
     if config.mixed_precision == "fp8":
         apply_float8(model)  # before TP and FSDP2, as torchao asks
     if config.tp > 1:

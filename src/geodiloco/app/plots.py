@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from geodiloco.runlog import RunLog
+from geodiloco.app.runlog import RunLog
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

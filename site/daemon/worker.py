@@ -25,7 +25,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-import geodiloco.site.checkpoint as checkpoint
+import geodiloco.site.parallel.checkpoint as checkpoint
 from geodiloco import faults, logs
 from geodiloco.builders import (
     Batch,
@@ -40,15 +40,16 @@ from geodiloco.config import ConfigError
 from geodiloco.distributed import DEVICES, init_rank, shutdown_distributed
 from geodiloco.lifecycle import GracefulStop
 from geodiloco.logs import setup_logging
-from geodiloco.metrics import SiteTelemetry
 from geodiloco.pages import keep_freed_pages
+from geodiloco.prometheus import SiteTelemetry
 from geodiloco.security.chunks import KeyMismatch
 from geodiloco.security.secrets import load_secret
 from geodiloco.security.tls import TlsFiles
-from geodiloco.site.client import transient
-from geodiloco.site.grpc_link import GrpcLink
-from geodiloco.site.launcher import EXIT_REFUSED, REFUSAL_FILE_ENV
-from geodiloco.site.layout import (
+from geodiloco.site.daemon.launcher import EXIT_REFUSED, REFUSAL_FILE_ENV
+from geodiloco.site.edge.client import transient
+from geodiloco.site.edge.grpc_link import GrpcLink
+from geodiloco.site.outer_sync import OuterSync
+from geodiloco.site.parallel.layout import (
     PRECISIONS,
     LayoutError,
     ParallelConfig,
@@ -58,7 +59,6 @@ from geodiloco.site.layout import (
     parallelize,
     precision_problem,
 )
-from geodiloco.site.outer_sync import OuterSync
 from geodiloco.workload.steps import evaluate_batches, inner_step
 
 log = logging.getLogger("geodiloco.site")
@@ -172,23 +172,15 @@ def train(
     stop = GracefulStop.install()  # ops: SIGTERM leaves at the next step
     mesh = build_mesh(layout, device.type)
     try:
-        sync = OuterSync.connect(
-            coordinator,
-            site,
-            tls=tls,
-            site_secret=site_secret,
-            data_parallel_size=layout.data_parallel,
-            streams=options.streams,
-        )
+        link = GrpcLink(coordinator, site, tls=tls, site_secret=site_secret, streams=options.streams)
+        sync = OuterSync.over(link, layout.data_parallel)
     except Exception as exc:
         refusal = join_refusal(rank, exc)
         if refusal is not None:
             exit_refused(rank, refusal)
         raise
     cfg = sync.config
-    if isinstance(sync.link, GrpcLink):  # every rank retries a lost coordinator alike
-        for client in sync.link.clients:
-            client.patience_s = cfg.round_timeout_s
+    link.wait_for_coordinator(cfg.round_timeout_s)
     logs.bind(run=sync.info.run_id, round=lambda: sync.round)  # ops: run/round on every log line
     telemetry = SiteTelemetry.start(  # ops: metrics and progress (rank 0)
         site, rank, cfg.rounds * cfg.inner.steps_per_round, lambda: (sync.bytes_sent, sync.bytes_received)

@@ -2,7 +2,7 @@
 
 The site's rank 0 serves ``/metrics`` when ``geodiloco site run --metrics-port`` is given
 (the launcher hands the port to the ranks as ``GEODILOCO_METRICS_PORT``/``_HOST``); the other
-ranks keep quiet. The coordinator's metrics are in :mod:`geodiloco.coordinator.metrics`.
+ranks keep quiet. The coordinator's metrics are in :mod:`geodiloco.coordinator.round_metrics`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from geodiloco.progress import Progress
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-log = logging.getLogger("geodiloco.metrics")
+log = logging.getLogger("geodiloco.prometheus")
 
 PORT_ENV = "GEODILOCO_METRICS_PORT"
 HOST_ENV = "GEODILOCO_METRICS_HOST"

@@ -13,31 +13,39 @@ FAILED_PRECONDITION, ...) is raised at once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import random
 import threading
 import time
-from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar
 
 import grpc
 import torch
 
 from geodiloco import __version__, faults
 from geodiloco.compression import CodecError, EncodedChunk, decode_chunks_into, parse_pipeline
+from geodiloco.exchange import (
+    ChunkSink,
+    JoinInfo,
+    PulledPart,
+    PushPart,
+    StreamFacts,
+    WireChunk,
+    without_payload,
+)
 from geodiloco.progress import Progress
 from geodiloco.security.chunks import KeyMismatch, open_update, sealed_delta_payload
 from geodiloco.security.joinproof import join_proof
+from geodiloco.security.raw_requests import decode_cut, encode_with
 from geodiloco.security.sealing import SiteKeys
 from geodiloco.security.tls import TlsFiles, open_channel
-from geodiloco.security.wire import decode_cut, encode_with
-from geodiloco.segment import Segment
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
-from geodiloco.wire import PUSHER_KEY, ranges_from_proto, ranges_to_proto
+from geodiloco.wire import PUSHER_KEY, join_info_from_proto, push_messages, ranges_from_proto
 from geodiloco.workload.data import DataRange
 
 log = logging.getLogger("geodiloco.site")
@@ -109,154 +117,6 @@ def _as_is(message: bytes) -> bytes:
     return message
 
 
-@dataclass(frozen=True, slots=True)
-class FragmentState:
-    """Where one fragment of the global state stands on the coordinator."""
-
-    round: int  # the fragment's open round
-    state_hash: str  # of the fragment's global values at that round
-    finished: bool
-
-
-@dataclass(frozen=True, slots=True)
-class JoinInfo:
-    run_id: str
-    run_config_json: str
-    round: int
-    state_hash: str
-    shard_index: int
-    shard_count: int
-    num_params: int
-    heartbeat_interval_s: float
-    finished: bool
-    data: list[DataRange]  # what to train on in `round`
-    key_id: int = 0  # the sealing key id the run expects from this site (0: not sealed)
-    # every fragment's state, in order; a coordinator that keeps one fragment may send none
-    fragments: tuple[FragmentState, ...] = ()
-
-    @property
-    def fragment_states(self) -> tuple[FragmentState, ...]:
-        """Every fragment's state (one, from the run's own fields, when the coordinator sent none)."""
-        return self.fragments or (FragmentState(self.round, self.state_hash, self.finished),)
-
-
-@dataclass(frozen=True, slots=True)
-class WireChunk:
-    """One encoded chunk of a push and the canonical elements it covers."""
-
-    segment: Segment
-    payload: bytes
-
-
-class LazyChunks(Sequence[WireChunk]):
-    """A push's chunks, each made by :meth:`chunk` only when the push stream takes it, so that
-    chunk i+1 is encoded while chunk i is on the wire."""
-
-    @abstractmethod
-    def chunk(self, i: int) -> WireChunk:
-        """Chunk ``i`` (0 <= i < len)."""
-
-    @overload
-    def __getitem__(self, i: int) -> WireChunk: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[WireChunk]: ...
-    def __getitem__(self, i: int | slice) -> WireChunk | Sequence[WireChunk]:
-        if isinstance(i, slice):
-            return [self.chunk(j) for j in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        return self.chunk(i)
-
-    def __iter__(self) -> Iterator[WireChunk]:
-        return (self.chunk(i) for i in range(len(self)))
-
-
-class Strided(Sequence[T]):
-    """Every ``step``-th item of ``items`` from ``first``, each taken from ``items`` only when
-    asked for: a lazily encoded push stays lazy on each of several streams."""
-
-    def __init__(self, items: Sequence[T], first: int, step: int) -> None:
-        self._items, self._indices = items, range(first, len(items), step)
-
-    def __len__(self) -> int:
-        return len(self._indices)
-
-    @overload
-    def __getitem__(self, i: int) -> T: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[T]: ...
-    def __getitem__(self, i: int | slice) -> T | Sequence[T]:
-        if isinstance(i, slice):
-            return [self._items[j] for j in self._indices[i]]
-        return self._items[self._indices[i]]
-
-
-def strided(items: Sequence[T], first: int, step: int) -> Sequence[T]:
-    """:class:`Strided`, or ``items`` itself when that is all of it."""
-    return items if (first, step) == (0, 1) else Strided(items, first, step)
-
-
-@dataclass(frozen=True, slots=True)
-class StreamFacts:
-    """What every chunk of one pull stream shares; a chunk's bytes mean something only with
-    them (an update's chunk is added, a full state's replaces)."""
-
-    is_full_state: bool
-    codec: str
-    round: int
-    state_hash: str
-
-
-ChunkSink = Callable[[int, EncodedChunk, StreamFacts], None]  # (seq, chunk, its stream's facts)
-
-
-def without_payload(chunk: EncodedChunk) -> EncodedChunk:
-    """``chunk``'s place, its bytes dropped: what a pull keeps of a chunk its sink took."""
-    return EncodedChunk(chunk.start, chunk.numel, b"")
-
-
-@dataclass(frozen=True, slots=True)
-class PulledPart:
-    """What one puller received of an update or full state: its share of the chunks (opened,
-    still encoded) and the stream's facts, which are the same for every puller."""
-
-    is_full_state: bool
-    codec: str
-    total_chunks: int
-    chunks: dict[int, EncodedChunk]  # by sequence number; payloads empty if the sink took them
-    round: int  # the round the update closes, or the round of the full state
-    next_round: int
-    state_hash: str
-    finished: bool
-    data: list[DataRange]  # what to train on in `next_round`
-
-    @property
-    def facts(self) -> tuple[bool, str, int, int, int, str, bool, list[DataRange]]:
-        return (
-            self.is_full_state,
-            self.codec,
-            self.total_chunks,
-            self.round,
-            self.next_round,
-            self.state_hash,
-            self.finished,
-            self.data,
-        )
-
-    @property
-    def stream(self) -> StreamFacts:
-        return StreamFacts(self.is_full_state, self.codec, self.round, self.state_hash)
-
-
-def wire_chunk(chunk: WireChunk | EncodedChunk) -> WireChunk:
-    if isinstance(chunk, WireChunk):
-        return chunk
-    # bytes(b) of a bytes object is that object: a copy only for a view
-    return WireChunk(Segment(chunk.start, 1, chunk.numel, chunk.numel), bytes(chunk.payload))
-
-
 def delta_messages(
     run_id: str,
     site: str,
@@ -268,57 +128,16 @@ def delta_messages(
     part: int = 0,
     parts: int = 1,
     fragment: int = 0,
-) -> list[Any]:
-    """The PushDelta stream of one part (one rank's owned elements) of a round's pseudo-gradient;
-    plain encoded chunks are contiguous ranges."""
+) -> list[outer_sync_pb2.DeltaChunk]:
+    """The whole PushDelta stream of one part, payloads in place (tests and third-party tools
+    that send raw messages); the client itself streams :func:`~geodiloco.wire.push_messages`."""
     messages = []
-    for head, payload in iter_delta_parts(
-        run_id, site, round_, codec, chunks, tokens, data, part, parts, fragment
+    for head, payload in push_messages(
+        run_id, site, PushPart(fragment, round_, codec, chunks, tokens, data, part, parts)
     ):
-        head.payload = payload
+        head.payload = bytes(payload)
         messages.append(head)
     return messages
-
-
-def iter_delta_parts(
-    run_id: str,
-    site: str,
-    round_: int,
-    codec: str,
-    chunks: Sequence[WireChunk | EncodedChunk],
-    tokens: int,
-    data: list[DataRange] | None = None,
-    part: int = 0,
-    parts: int = 1,
-    fragment: int = 0,
-) -> Iterator[tuple[Any, bytes]]:
-    """:func:`delta_messages` one at a time, as (message without its payload, payload): the
-    client encodes the two itself (:func:`~geodiloco.security.wire.encode_with`), copying the
-    payload once; a sequence that encodes its chunks when they are taken is encoded chunk by
-    chunk while the earlier ones are on the wire."""
-    total = len(chunks)
-    for seq, item in enumerate(chunks):
-        chunk = wire_chunk(item)
-        head = outer_sync_pb2.DeltaChunk(
-            header=outer_sync_pb2.ChunkHeader(
-                run_id=run_id,
-                round=round_,
-                fragment=fragment,
-                site=site,
-                codec=codec,
-                seq=seq,
-                start=chunk.segment.start,
-                numel=chunk.segment.numel,
-                rows=chunk.segment.rows if chunk.segment.rows > 1 else 0,
-                stride=chunk.segment.stride if chunk.segment.rows > 1 else 0,
-            ),
-            tokens=tokens,
-            total_chunks=total,
-            data=ranges_to_proto(data or []) if seq == 0 else [],
-            part=part,
-            parts=parts,
-        )
-        yield head, chunk.payload
 
 
 class OuterSyncClient:
@@ -380,7 +199,7 @@ class OuterSyncClient:
 
     def _update_chunk(self, data: bytes) -> Any:
         """A pulled message, counted as it arrived and parsed with its payload left a view of
-        ``data`` (:func:`~geodiloco.security.wire.decode_cut`): not re-encoded to measure it, and
+        ``data`` (:func:`~geodiloco.security.raw_requests.decode_cut`): not re-encoded to measure it, and
         its payload copied once (out of ``data``) instead of into the message and out again."""
         self._count_bytes(received=len(data))
         return decode_cut(outer_sync_pb2.UpdateChunk, data)
@@ -431,20 +250,7 @@ class OuterSyncClient:
         self.patience_s = _round_timeout(r.run_config_json) or self.patience_s
         self.assigned = ranges_from_proto(r.data)
         self.keys = self._keys_for(r.run_id, r.key_id)
-        return JoinInfo(
-            r.run_id,
-            r.run_config_json,
-            r.round,
-            r.state_hash,
-            r.shard_index,
-            r.shard_count,
-            r.num_params,
-            r.heartbeat_interval_s,
-            r.finished,
-            ranges_from_proto(r.data),
-            r.key_id,
-            tuple(FragmentState(f.round, f.state_hash, f.finished) for f in r.fragments),
-        )
+        return join_info_from_proto(r)
 
     def _keys_for(self, run_id: str, key_id: int) -> SiteKeys | None:
         """This site's keys for the run, checked against the key id the coordinator expects."""
@@ -516,39 +322,41 @@ class OuterSyncClient:
         part: int = 0,
         parts: int = 1,
         fragment: int = 0,
-    ) -> Any:
-        """Stream one part of a round's pseudo-gradient (of one fragment of it); retried as a whole
-        (pushes are idempotent).
+    ) -> outer_sync_pb2.PushAck:
+        """:meth:`push_part` spelled out (``data`` None: the data the coordinator last assigned)."""
+        pushed = PushPart(fragment, round_, codec, chunks, tokens, data, part, parts)
+        return self.push_part(pushed, timeout_s=timeout_s)
 
-        ``data`` is what the site trained on; by default the data the coordinator last assigned."""
-        data = self.assigned if data is None else data
-        if not chunks:
+    def push_part(self, part: PushPart, timeout_s: float = 600.0) -> outer_sync_pb2.PushAck:
+        """Stream one part of a fragment round's pseudo-gradient; retried as a whole (pushes are
+        idempotent). ``part.data`` None sends the data the coordinator last assigned."""
+        if part.data is None:
+            part = dataclasses.replace(part, data=self.assigned)
+        if not part.chunks:
             raise ValueError("a push part needs at least one chunk")
 
         def messages() -> Iterator[bytes]:  # consumed by gRPC's sender thread: sealing overlaps sending
             sent = 0
-            for head, payload in iter_delta_parts(
-                self.run_id, self.site, round_, codec, chunks, tokens, data, part, parts, fragment
-            ):
-                faults.at(self.site, self.rank, round_, sent, "push")  # tests: mid-push faults
+            for head, payload in push_messages(self.run_id, self.site, part):
+                faults.at(self.site, self.rank, part.round, sent, "push")  # tests: mid-push faults
                 if self.keys is not None:
                     payload = sealed_delta_payload(self.keys.up, head, payload)
                 message = encode_with(head, payload)
                 self._count_bytes(sent=len(message))
                 yield message
                 sent += 1
-            faults.at(self.site, self.rank, round_, sent, "push")  # all sent, not yet acknowledged
+            faults.at(self.site, self.rank, part.round, sent, "push")  # all sent, not yet acknowledged
 
-        def attempt() -> Any:
+        def attempt() -> outer_sync_pb2.PushAck:
             # the site named up front: its lease is held from the stream's first byte, not from
             # its first whole chunk (one chunk can outlast a lease on a slow link)
-            ack = self._push_encoded(
+            ack: outer_sync_pb2.PushAck = self._push_encoded(
                 messages(), timeout=timeout_s, wait_for_ready=True, metadata=((PUSHER_KEY, self.site),)
             )
             self._count(received=ack)
             return ack
 
-        return self._with_backoff(f"push of {_name(fragment, round_)}", attempt)
+        return self._with_backoff(f"push of {_name(part.fragment, part.round)}", attempt)
 
     def pull(
         self,

@@ -14,24 +14,17 @@ wire: a push of ``n`` chunks goes out as :func:`push_streams` parts, chunk ``i``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import grpc
 
-from geodiloco.compression import EncodedChunk
+from geodiloco.exchange import ChunkSink, PulledPart, PushPart, strided
 from geodiloco.security.tls import TlsFiles
-from geodiloco.site.client import (
-    ChunkSink,
-    Heartbeater,
-    OuterSyncClient,
-    PulledPart,
-    WireChunk,
-    strided,
-)
+from geodiloco.site.edge.client import Heartbeater, OuterSyncClient
 from geodiloco.site.link import Joined, Late, LinkError, PushAgain, Resync, push_streams
-from geodiloco.workload.data import DataRange
+from geodiloco.site.outer_sync import OuterSync
 
 T = TypeVar("T")
 AGREED_PULLS = 3  # pulls on several streams repeated when a commit fell between them
@@ -100,6 +93,12 @@ class GrpcLink:
         for client in self.clients:
             client.adopt(run_id, key_id)
 
+    def wait_for_coordinator(self, patience_s: float) -> None:
+        """Retry a lost coordinator for ``patience_s`` on every stream (the run's round timeout,
+        once known), so that every rank of the site waits alike."""
+        for client in self.clients:
+            client.patience_s = patience_s
+
     def keep_alive(self, interval_s: float, world_size: int) -> None:
         self._heartbeat = Heartbeater(self.client, interval_s, world_size)
         self._heartbeat.start()
@@ -113,36 +112,18 @@ class GrpcLink:
             future.exception()  # wait for every stream before raising
         return [future.result() for future in futures]
 
-    def push(
-        self,
-        fragment: int,
-        round_: int,
-        codec: str,
-        chunks: Sequence[WireChunk | EncodedChunk],
-        tokens: int,
-        data: list[DataRange] | None,
-        *,
-        part: int,
-        parts: int,
-        timeout_s: float,
-    ) -> None:
-        """Parts ``part`` .. ``part + push_streams(streams, len(chunks)) - 1`` of ``parts``."""
-        if self._heartbeat is not None and data is not None:  # the run's round: the primary fragment's
-            self._heartbeat.round = round_
-        n = push_streams(self.streams, len(chunks))
+    def push(self, part: PushPart, *, timeout_s: float) -> None:
+        """Parts ``part.part`` .. ``part.part + push_streams(streams, len(chunks)) - 1`` of ``parts``."""
+        if self._heartbeat is not None and part.data is not None:  # the run's round: the primary's
+            self._heartbeat.round = part.round
+        n = push_streams(self.streams, len(part.chunks))
+        data = [] if part.data is None else part.data  # a fragment that does not settle the ledger: none
 
         def one(k: int) -> Callable[[], object]:
-            return lambda: self.clients[k].push(
-                round_,
-                codec,
-                strided(chunks, k, n),
-                tokens,
-                [] if data is None else data,  # a fragment that does not settle the ledger: none
-                timeout_s=timeout_s,
-                part=part + k,
-                parts=parts,
-                fragment=fragment,
+            stream = dataclasses.replace(
+                part, chunks=strided(part.chunks, k, n), data=data, part=part.part + k
             )
+            return lambda: self.clients[k].push_part(stream, timeout_s=timeout_s)
 
         self._on_streams([one(k) for k in range(n)])
 
@@ -219,3 +200,23 @@ def merged(pulled: list[PulledPart]) -> PulledPart:
         return pulled[0]
     chunks = {seq: chunk for part in pulled for seq, chunk in part.chunks.items()}
     return dataclasses.replace(pulled[0], chunks=chunks)
+
+
+def connect(
+    target: str,
+    site: str,
+    *,
+    tls: TlsFiles | None = None,
+    site_secret: bytes | None = None,
+    data_parallel_size: int | None = None,
+    streams: int = 1,
+) -> OuterSync:
+    """Join the run at ``target`` over gRPC: :meth:`OuterSync.over` a :class:`GrpcLink`.
+
+    Call it on every rank. ``tls`` (mutual TLS) and ``site_secret`` (payload sealing) are what a
+    coordinator started without ``--insecure`` requires. ``data_parallel_size`` as in
+    :meth:`OuterSync.over`. ``streams``: TCP connections each rank's push and pull are spread
+    over, the same on every rank (see the module); more than one where one cannot fill the WAN
+    path."""
+    link = GrpcLink(target, site, tls=tls, site_secret=site_secret, streams=streams)
+    return OuterSync.over(link, data_parallel_size)

@@ -22,13 +22,13 @@ from typing import NoReturn
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from geodiloco.site.parallel.layout_error import LayoutError
+
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def _refuse(message: str) -> NoReturn:
-    from geodiloco.site.layout import LayoutError  # layout imports this module
-
     raise LayoutError(message)
 
 

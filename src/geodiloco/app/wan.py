@@ -31,7 +31,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("geodiloco.wan")
+log = logging.getLogger("geodiloco.app.wan")
 
 MAX_PIECE = 64 * 1024  # largest read from a socket at a time
 MIN_PIECE = 1024
