@@ -1,4 +1,4 @@
 """Mutual TLS, peer identities, payload sealing and the guards against hostile input.
 
-See the README's "Security" and "Threat model" sections for the key model.
+See docs/security.md for the key model and the threat model.
 """

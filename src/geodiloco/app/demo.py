@@ -21,7 +21,7 @@ from geodiloco.security.pki import PkiDir
 from geodiloco.security.tls import TlsFiles
 from geodiloco.site.daemon.launcher import worker_command, worker_env
 
-# Chosen from measurement on this workload (README, "Choosing the demo's settings"): from
+# Chosen from measurement on this workload (docs/measurements.md, "Choosing the demo's settings"): from
 # scratch over 900 steps, outer momentum only hurt here, so the demo averages (lr 1, no momentum).
 DEMO_DEFAULTS: dict[str, Any] = {
     "run_id": "demo",
