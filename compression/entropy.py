@@ -5,8 +5,8 @@ of a pseudo-gradient of few inner steps that gains nothing (after 25 AdamW steps
 spread nearly uniformly within each block; after 100 or more they are bell-shaped and zstd saves
 4-6%: docs/compression.md, "zstd stores what cannot shrink"). So the encoder first estimates,
 from a sample of the bytes, what an order-0 entropy coder could save; below :data:`MIN_GAIN` it
-writes the bytes as raw blocks of a standard zstd frame (RFC 8878: frame header, then blocks of at most 128 KiB,
-each behind a 3-byte header), which any zstd decoder reads and which costs one copy. zstd's own
+writes the bytes as raw blocks of a standard zstd frame (RFC 8878: frame header, then blocks of at
+most 128 KiB, each behind a 3-byte header), which any zstd decoder reads and which costs one copy. zstd's own
 fastest level would still search for matches (3.5x slower on such bytes). The choice depends on
 the bytes only, so encoding stays deterministic.
 """
