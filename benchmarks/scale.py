@@ -61,10 +61,11 @@ import torch
 
 from geodiloco.compression import EncodedChunk, Place, parse_pipeline
 from geodiloco.config import RunConfig
+from geodiloco.exchange import LazyChunks, StreamFacts, WireChunk
 from geodiloco.pages import keep_freed_pages
 from geodiloco.params import Checksum, add_encoded_and_hash
 from geodiloco.segment import Segment
-from geodiloco.site.edge.client import Heartbeater, LazyChunks, OuterSyncClient, StreamFacts, WireChunk
+from geodiloco.site.edge.client import Heartbeater, OuterSyncClient
 
 HERE = Path(__file__).resolve().parent
 CODEC = "q8|zstd:1"

@@ -17,8 +17,9 @@ from geodiloco.config import LimitsConfig
 from geodiloco.coordinator.aggregator import sum_of_squares
 from geodiloco.coordinator.intake import Intake, SpillFiles, Staged
 from geodiloco.coordinator.refusals import InvalidArgument
+from geodiloco.exchange import WireChunk
 from geodiloco.segment import Segment
-from geodiloco.site.edge.client import OuterSyncClient, WireChunk, delta_messages
+from geodiloco.site.edge.client import OuterSyncClient, delta_messages
 from geodiloco.v1 import outer_sync_pb2_grpc
 from helpers import CoordinatorThread, tiny_config
 

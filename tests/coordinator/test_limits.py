@@ -15,8 +15,9 @@ from geodiloco.config import DataConfig, InnerConfig, LimitsConfig, RunConfig
 from geodiloco.coordinator.edge.server import data_shard_sizes
 from geodiloco.coordinator.refusals import InvalidArgument
 from geodiloco.coordinator.rounds import RoundController
+from geodiloco.exchange import WireChunk
 from geodiloco.segment import Segment
-from geodiloco.site.edge.client import OuterSyncClient, WireChunk, delta_messages
+from geodiloco.site.edge.client import OuterSyncClient, delta_messages
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
 from helpers import CoordinatorThread, tiny_config
 

@@ -14,8 +14,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from geodiloco.compression import EncodedChunk, encode_chunks, parse_pipeline
+from geodiloco.exchange import StreamFacts
 from geodiloco.params import state_hash
-from geodiloco.site.edge.client import OuterSyncClient, StreamFacts, delta_messages
+from geodiloco.site.edge.client import OuterSyncClient, delta_messages
 from geodiloco.v1 import outer_sync_pb2_grpc
 from helpers import CoordinatorThread, tiny_config
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from geodiloco.exchange import LazyChunks, WireChunk
 from geodiloco.segment import Segment
-from geodiloco.site.edge.client import LazyChunks, WireChunk
 
 
 class Counted(LazyChunks):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from geodiloco.site.edge.client import Strided, strided
+from geodiloco.exchange import Strided, strided
 from geodiloco.site.link import puller_of, push_streams
 
 

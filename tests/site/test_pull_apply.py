@@ -8,8 +8,8 @@ from torch import nn
 
 from geodiloco.compression import EncodedChunk, Place, encode_chunks, envelope, parse_pipeline
 from geodiloco.compression.codec_error import CodecError
+from geodiloco.exchange import PulledPart, StreamFacts
 from geodiloco.params import state_hash
-from geodiloco.site.edge.client import PulledPart, StreamFacts
 from geodiloco.site.pull_apply import ApplyAsPulled, TornSnapshot
 from geodiloco.site.shards import ShardMap
 from helpers import CUDA

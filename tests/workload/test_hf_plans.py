@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from geodiloco.params import flatten_parameters
-from geodiloco.site import plans
+from geodiloco.site.parallel import plans
 from geodiloco.site.parallel.layout import LayoutError, ParallelConfig, build_mesh, parallelize
 from geodiloco.site.shards import ShardMap
 from geodiloco.workload.hf import tiny_llama
