@@ -19,41 +19,47 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import Message
 
-from geodiloco import __version__
-from geodiloco.compression import EncodedChunk
 from geodiloco.coordinator.fragment_rounds import FragmentedController
 from geodiloco.coordinator.intake import Pushes, PushOutcome
 from geodiloco.coordinator.journal import Journal
 from geodiloco.coordinator.refusals import (
     REFUSALS,
     DeadlineExceeded,
-    FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
-    Unauthenticated,
     refusal_code,
 )
 from geodiloco.coordinator.round_metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController, SiteRecord
+from geodiloco.coordinator.site_calls import JoinCall, PullCall, ReportCall, SiteCalls
 from geodiloco.security.chunks import sealed_update_payload
 from geodiloco.security.policy import Denied, ServerSecurity, is_admin, peer_identity, require_site
 from geodiloco.security.ratelimit import RateLimiter
 from geodiloco.security.raw_requests import encode_with, wire_size
 from geodiloco.security.sealing import Sealer
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
-from geodiloco.wire import PUSHER_KEY, ranges_to_proto
+from geodiloco.wire import PUSHER_KEY, join_info_to_proto, served_messages
 
 log = logging.getLogger("geodiloco.coordinator")
 
+R = TypeVar("R", bound=Message)
 
-def _finite_or_zero(x: float) -> float:
-    return x if math.isfinite(x) else 0.0
+
+class Measured(Protocol):
+    def ByteSize(self) -> int: ...
+
+
+class SiteRequest(Measured, Protocol):
+    """What every unary request of a site carries (Join, Heartbeat, Report, Leave)."""
+
+    @property
+    def site(self) -> str: ...
 
 
 def _status(exc: Exception) -> grpc.StatusCode:
@@ -68,7 +74,9 @@ async def _abort(context: grpc.aio.ServicerContext, rpc: str, site: str, exc: Ex
     await context.abort(code, str(exc))
 
 
-async def _next_chunk(chunks: AsyncIterator[Any], timeout_s: float) -> Any:
+async def _next_chunk(
+    chunks: AsyncIterator[outer_sync_pb2.DeltaChunk], timeout_s: float
+) -> outer_sync_pb2.DeltaChunk | None:
     """The next message of a push, or None at its end; a stalled stream is abandoned."""
     try:
         return await asyncio.wait_for(anext(chunks), timeout_s)
@@ -80,7 +88,7 @@ async def _next_chunk(chunks: AsyncIterator[Any], timeout_s: float) -> Any:
         ) from None
 
 
-def _sealed(sealer: Sealer, head: Any, payload: bytes | memoryview) -> bytes:
+def _sealed(sealer: Sealer, head: outer_sync_pb2.UpdateChunk, payload: bytes | memoryview) -> bytes:
     """``head`` with ``payload`` sealed for its receiver, encoded (a worker thread)."""
     return encode_with(head, sealed_update_payload(sealer, head, payload))
 
@@ -103,8 +111,9 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         self.metrics = metrics or CoordinatorMetrics(self.c)
         self.journal = journal or Journal(None)
         self.pushes = Pushes(self.run, security.keyring, self.metrics, self.journal)
+        self.calls = SiteCalls(self.run, security.keyring, self.pushes, self.journal)
 
-    def _count(self, site: str, received: Message | None = None, sent: Message | None = None) -> None:
+    def _count(self, site: str, received: Measured | None = None, sent: Measured | None = None) -> None:
         self.c.count_bytes(
             site,
             received=received.ByteSize() if received is not None else 0,
@@ -114,10 +123,10 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
     async def _unary(
         self,
         rpc: str,
-        request: Any,
+        request: SiteRequest,
         context: grpc.aio.ServicerContext,
-        handler: Callable[[], Any],
-    ) -> Any:
+        handler: Callable[[], Awaitable[R]],
+    ) -> R:
         try:
             require_site(self.security, context, request.site)
         except Denied as exc:
@@ -138,105 +147,56 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             limit = self.c.cfg.limits.joins_per_minute
             raise ResourceExhausted(f"too many joins from this peer (limits.joins_per_minute {limit})")
 
-    def _check_key_proof(self, request: Any) -> None:
-        """A sealing run admits only a site that proves it holds its secret: one with a wrong
-        secret would otherwise be a member, waited for, that cannot seal a chunk."""
-        keyring = self.security.keyring
-        if keyring is None:
-            if request.key_proof:
-                raise FailedPrecondition(
-                    "this run does not seal payloads (the coordinator runs --insecure): "
-                    "a site with a secret refuses to send them in the clear; drop its --secret"
-                )
-            return
-        if not request.key_proof:
-            raise Unauthenticated(
-                f"this run seals payloads: site {request.site!r} must prove its secret at Join "
-                "(give it --secret site-<name>.secret)"
-            )
-        if not keyring.proves_key(request.site, request.key_proof, request.run_id, request.world_size):
-            raise Unauthenticated(
-                f"site {request.site!r} does not hold its secret for this run (its --secret belongs "
-                "to another run secret or another site); it is not admitted"
-            )
-
-    async def Join(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def handle() -> Any:
+    async def Join(
+        self, request: outer_sync_pb2.JoinRequest, context: grpc.aio.ServicerContext
+    ) -> outer_sync_pb2.JoinResponse:
+        async def handle() -> outer_sync_pb2.JoinResponse:
             self._check_join_rate(context)
-            self.c.site(request.site)  # a site outside the run is told that first
-            self._check_key_proof(request)
-            record = await self.run.join(request.site, request.run_id, request.world_size)
-            self.pushes.forget_site(request.site)  # a rejoined site pushes its rounds afresh
-            if request.version and request.version != __version__:
-                log.warning(
-                    "site %s runs geodiloco %s, coordinator %s", request.site, request.version, __version__
-                )
-            return outer_sync_pb2.JoinResponse(
-                run_id=self.c.cfg.run_id,
-                run_config_json=self.c.cfg.to_json(),
-                round=self.c.round,
-                state_hash=self.c.hashes[self.c.round],
-                shard_index=record.shard_index,
-                shard_count=len(self.c.sites),
-                num_params=self.run.num_params,
-                heartbeat_interval_s=self.c.cfg.heartbeat_interval_s,
-                finished=self.run.finished,
-                data=ranges_to_proto(self.c.data_for(request.site)),
-                key_id=self.security.keyring.site(request.site).key_id if self.security.keyring else 0,
-                fragments=[
-                    outer_sync_pb2.FragmentState(
-                        fragment=p, round=c.round, state_hash=c.hashes[c.round], finished=c.finished
-                    )
-                    for p, c in enumerate(self.run.fragments)
-                ],
+            call = JoinCall(
+                request.site, request.run_id, request.world_size, request.key_proof, request.version
             )
+            return join_info_to_proto(await self.calls.join(call))
 
         return await self._unary("Join", request, context, handle)
 
-    async def Heartbeat(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def handle() -> Any:
-            self.run.member(request.site, request.run_id)
+    async def Heartbeat(
+        self, request: outer_sync_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> outer_sync_pb2.HeartbeatResponse:
+        async def handle() -> outer_sync_pb2.HeartbeatResponse:
+            lease = self.calls.heartbeat(request.site, request.run_id)
             return outer_sync_pb2.HeartbeatResponse(
-                round=self.c.round, lease_s=self.c.cfg.lease_s, finished=self.run.finished
+                round=lease.round, lease_s=lease.lease_s, finished=lease.finished
             )
 
         return await self._unary("Heartbeat", request, context, handle)
 
-    async def Report(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def handle() -> Any:
-            c = self.run.fragment(request.fragment)
-            if request.eval_count and not math.isfinite(request.eval_loss_sum):
-                raise InvalidArgument("eval_loss_sum must be finite")
-            limit = self.c.cfg.limits.max_tokens
-            if request.eval_count > limit or request.tokens > limit:
-                raise InvalidArgument(f"eval_count or tokens exceeds limits.max_tokens {limit}")
-            ok, expected = await c.report(
-                request.site,
-                request.run_id,
-                request.round,
-                request.state_hash,
-                request.eval_loss_sum,
-                request.eval_count,
-                _finite_or_zero(request.train_loss),
+    async def Report(
+        self, request: outer_sync_pb2.ReportRequest, context: grpc.aio.ServicerContext
+    ) -> outer_sync_pb2.ReportResponse:
+        async def handle() -> outer_sync_pb2.ReportResponse:
+            r = request
+            call = ReportCall(
+                r.site,
+                r.run_id,
+                r.fragment,
+                r.round,
+                r.state_hash,
+                r.eval_loss_sum,
+                r.eval_count,
+                r.train_loss,
+                r.tokens,
+                r.compute_seconds,
             )
-            self.journal.write(
-                "report",
-                site=request.site,
-                round=request.round,
-                **({"fragment": request.fragment} if self.run.count > 1 else {}),
-                eval_loss_sum=request.eval_loss_sum,
-                eval_count=request.eval_count,
-                train_loss=_finite_or_zero(request.train_loss),
-                tokens=request.tokens,
-                compute_s=_finite_or_zero(request.compute_seconds),
-            )
+            ok, expected = await self.calls.report(call)
             return outer_sync_pb2.ReportResponse(hash_ok=ok, expected_hash=expected)
 
         return await self._unary("Report", request, context, handle)
 
-    async def Leave(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def handle() -> Any:
-            await self.run.leave(request.site, request.run_id, request.reason)
+    async def Leave(
+        self, request: outer_sync_pb2.LeaveRequest, context: grpc.aio.ServicerContext
+    ) -> outer_sync_pb2.LeaveResponse:
+        async def handle() -> outer_sync_pb2.LeaveResponse:
+            await self.calls.leave(request.site, request.run_id, request.reason)
             return outer_sync_pb2.LeaveResponse()
 
         return await self._unary("Leave", request, context, handle)
@@ -286,90 +246,39 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         named = [v for k, v in context.invocation_metadata() or () if k == PUSHER_KEY]
         return named[0] if named and isinstance(named[0], str) else ""
 
-    async def PullUpdate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        kind = request.kind
+    async def PullUpdate(  # type: ignore[override]  # yields pre-encoded bytes (raw_requests)
+        self, request: outer_sync_pb2.PullRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
         requested = time.time()
-        c = self.c
         try:
             require_site(self.security, context, request.site)
             self._count(request.site, received=request)
-            c = self.run.fragment(request.fragment)
-            c.member(request.site, request.run_id)
-            limit = self.c.cfg.limits.max_parts
-            if not 0 <= request.part < max(request.parts, 1) <= limit:
-                raise InvalidArgument(
-                    f"part {request.part} of {request.parts} is out of range (limits.max_parts {limit})"
-                )
-            if kind == outer_sync_pb2.PullRequest.UPDATE:
-                update = await self._wait_for_update(c, request.round, request.site)
-                if update is not None:
-                    chunks, codec, digest = update.chunks, update.codec, update.state_hash
-                    next_round, round_ = update.round + 1, update.round
-                else:
-                    kind = outer_sync_pb2.PullRequest.FULL_STATE
-            elif kind != outer_sync_pb2.PullRequest.FULL_STATE:
+            if request.kind not in (outer_sync_pb2.PullRequest.UPDATE, outer_sync_pb2.PullRequest.FULL_STATE):
                 raise InvalidArgument("PullRequest.kind must be UPDATE or FULL_STATE")
-            if kind == outer_sync_pb2.PullRequest.FULL_STATE:
-                state = await c.serve_full_state()  # never one a commit has not made durable
-                chunks, codec, digest = state.chunks, state.codec, state.state_hash
-                next_round = round_ = state.round
+            call = PullCall(
+                request.site,
+                request.run_id,
+                request.fragment,
+                request.round,
+                request.kind == outer_sync_pb2.PullRequest.FULL_STATE,
+                request.part,
+                request.parts,
+            )
+            served = await self.calls.pull(call)
         except REFUSALS as exc:
             await _abort(context, "PullUpdate", request.site, exc)
         keys = self.security.keyring.site(request.site) if self.security.keyring else None
         ready, sent = time.time(), 0
-        parts = request.parts or 1
-        mine = [(seq, chunk) for seq, chunk in enumerate(chunks) if seq % parts == request.part]
-        if not mine:  # more pullers than chunks: this one gets the stream's facts, no payload
-            mine = [(len(chunks), EncodedChunk(0, 0, b""))]
-        settles = self.run.settles_data(request.fragment)
         with self.run.transferring(request.site):
-            for i, (seq, chunk) in enumerate(mine):
-                head = outer_sync_pb2.UpdateChunk(
-                    header=outer_sync_pb2.ChunkHeader(
-                        run_id=self.c.cfg.run_id,
-                        round=round_,
-                        fragment=request.fragment,
-                        site=request.site,
-                        codec=codec,
-                        seq=seq,
-                        start=chunk.start,
-                        numel=chunk.numel,
-                    ),
-                    next_round=next_round,
-                    state_hash=digest,
-                    total_chunks=len(chunks),
-                    finished=next_round >= self.c.cfg.rounds,
-                    kind=kind,
-                    data=ranges_to_proto(self.c.data_for(request.site))
-                    if settles and i == len(mine) - 1
-                    else [],
-                )
+            for head, payload in served_messages(self.c.cfg.run_id, call.site, call.fragment, served):
                 if keys is not None:  # sealing a chunk is a pass over it: not on the event loop
-                    message = await asyncio.to_thread(_sealed, keys.down, head, chunk.payload)
+                    message = await asyncio.to_thread(_sealed, keys.down, head, payload)
                 else:
-                    message = encode_with(head, chunk.payload)
+                    message = encode_with(head, payload)
                 self.c.count_bytes(request.site, sent=len(message))
                 sent += len(message)
                 yield message
-        self.journal.write(
-            "pull",
-            site=request.site,
-            round=round_,
-            **({"fragment": request.fragment} if self.run.count > 1 else {}),
-            kind="full_state" if kind == outer_sync_pb2.PullRequest.FULL_STATE else "update",
-            t0=requested,
-            t_ready=ready,
-            t1=time.time(),
-            bytes=sent,
-        )
-
-    async def _wait_for_update(self, c: RoundController, round_: int, site: str) -> Any:
-        """The server's own bound on a pull's wait, whatever deadline the client set."""
-        limit = c.cfg.round_timeout_s + 300
-        try:
-            return await asyncio.wait_for(c.wait_for_update(round_, site), limit)
-        except asyncio.TimeoutError:
-            raise DeadlineExceeded(f"round {round_} did not commit within {limit:.0f}s; pull again") from None
+        self.calls.pulled(call, served, requested, ready, time.time(), sent)
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
@@ -387,7 +296,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.security = security
         self.fragments = fragments
 
-    async def GetStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def GetStatus(
+        self, request: admin_pb2.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.StatusResponse:
         full = status_message(self.c, self.fragments)
         if is_admin(self.security, context):
             return full
@@ -400,7 +311,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             num_params=full.num_params,
         )
 
-    async def Shutdown(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Shutdown(
+        self, request: admin_pb2.ShutdownRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ShutdownResponse:
         if not is_admin(self.security, context):
             log.warning("[Admin.Shutdown] peer=%s refused (PERMISSION_DENIED): not an admin", context.peer())
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "Shutdown needs an admin certificate")
@@ -411,7 +324,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return admin_pb2.ShutdownResponse()
 
 
-def status_message(c: RoundController, fragments: FragmentedController | None = None) -> Any:
+def status_message(
+    c: RoundController, fragments: FragmentedController | None = None
+) -> admin_pb2.StatusResponse:
     """The run's status from its (last fragment's) controller ``c``; with ``fragments``, a site's
     refused and late pushes are counted over every fragment, and its hash is ok only when its
     last report of every fragment matched."""
@@ -461,7 +376,7 @@ def status_message(c: RoundController, fragments: FragmentedController | None = 
 
 def _site_status(
     c: RoundController, s: SiteRecord, now: float, rejected: int, late: int, hash_ok: bool
-) -> Any:
+) -> admin_pb2.SiteStatus:
     return admin_pb2.SiteStatus(
         site=s.name,
         state=s.state,

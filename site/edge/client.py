@@ -22,10 +22,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import torch
+from google.protobuf.message import Message
 
 from geodiloco import __version__, faults
 from geodiloco.compression import CodecError, EncodedChunk, decode_chunks_into, parse_pipeline
@@ -110,6 +111,7 @@ def transient(exc: grpc.RpcError) -> bool:
 
 
 T = TypeVar("T")
+M = TypeVar("M", bound=Message)
 
 
 def _as_is(message: bytes) -> bytes:
@@ -187,7 +189,7 @@ class OuterSyncClient:
     def close(self) -> None:
         self.channel.close()
 
-    def _count(self, sent: Any = None, received: Any = None) -> None:
+    def _count(self, sent: Message | None = None, received: Message | None = None) -> None:
         self._count_bytes(
             sent.ByteSize() if sent is not None else 0, received.ByteSize() if received is not None else 0
         )
@@ -197,14 +199,15 @@ class OuterSyncClient:
             self.bytes_sent += sent
             self.bytes_received += received
 
-    def _update_chunk(self, data: bytes) -> Any:
+    def _update_chunk(self, data: bytes) -> outer_sync_pb2.UpdateChunk:
         """A pulled message, counted as it arrived and parsed with its payload left a view of
         ``data`` (:func:`~geodiloco.security.raw_requests.decode_cut`): not re-encoded to measure it, and
         its payload copied once (out of ``data``) instead of into the message and out again."""
         self._count_bytes(received=len(data))
-        return decode_cut(outer_sync_pb2.UpdateChunk, data)
+        chunk: outer_sync_pb2.UpdateChunk = decode_cut(outer_sync_pb2.UpdateChunk, data)
+        return chunk
 
-    def _unary(self, method: Callable[..., T], request: Any) -> T:
+    def _unary(self, method: Callable[..., M], request: Message) -> M:
         self._count(sent=request)
         response = method(request, timeout=UNARY_TIMEOUT_S, wait_for_ready=True)
         self._count(received=response)
@@ -268,7 +271,7 @@ class OuterSyncClient:
             )
         return keys
 
-    def heartbeat(self, round_: int) -> Any:
+    def heartbeat(self, round_: int) -> outer_sync_pb2.HeartbeatResponse:
         return self._unary(
             self.stub.Heartbeat,
             outer_sync_pb2.HeartbeatRequest(run_id=self.run_id, site=self.site, round=round_),
@@ -284,7 +287,7 @@ class OuterSyncClient:
         tokens: int,
         compute_seconds: float,
         fragment: int = 0,
-    ) -> Any:
+    ) -> outer_sync_pb2.ReportResponse:
         return self._unary(
             self.stub.Report,
             outer_sync_pb2.ReportRequest(
@@ -399,7 +402,7 @@ class OuterSyncClient:
         def attempt() -> PulledPart:
             self._count(sent=request)
             chunks: dict[int, EncodedChunk] = {}
-            last: Any = None
+            last: outer_sync_pb2.UpdateChunk | None = None
             shown: Progress | None = None
             stream = self._pull_cut(request, timeout=timeout_s, wait_for_ready=True)
             for received, msg in enumerate(stream):  # counted as they arrive (_update_chunk)
@@ -498,7 +501,7 @@ def _name(fragment: int, round_: int) -> str:
     return f"fragment {fragment} round {round_}" if fragment else f"round {round_}"
 
 
-def _facts(msg: Any) -> tuple[str, int, int, str, int]:
+def _facts(msg: outer_sync_pb2.UpdateChunk) -> tuple[str, int, int, str, int]:
     return msg.header.codec, msg.header.round, msg.total_chunks, msg.state_hash, msg.kind
 
 

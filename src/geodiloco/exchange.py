@@ -182,3 +182,19 @@ class PushPart:
     data: list[DataRange] | None = None
     part: int = 0
     parts: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What a pull streams: this puller's share of an update's or a state's chunks, by sequence
+    number, with the facts every chunk of the stream carries."""
+
+    full_state: bool
+    codec: str
+    round: int  # the round the update closes, or the round of the full state
+    next_round: int
+    state_hash: str
+    total_chunks: int
+    finished: bool
+    mine: list[tuple[int, EncodedChunk]]  # (seq, chunk); one empty chunk when none is this puller's
+    data: list[DataRange]  # what to train on in ``next_round``; only on a stream that settles data

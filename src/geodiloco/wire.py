@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from geodiloco.exchange import FragmentState, JoinInfo, PushPart, wire_chunk
+from geodiloco.exchange import FragmentState, JoinInfo, PushPart, Served, wire_chunk
 from geodiloco.v1 import outer_sync_pb2
 from geodiloco.workload.data import DataRange
 
@@ -97,3 +97,32 @@ def join_info_from_proto(r: outer_sync_pb2.JoinResponse) -> JoinInfo:
         r.key_id,
         tuple(FragmentState(f.round, f.state_hash, f.finished) for f in r.fragments),
     )
+
+
+def served_messages(
+    run_id: str, site: str, fragment: int, served: Served
+) -> Iterator[tuple[outer_sync_pb2.UpdateChunk, bytes | memoryview]]:
+    """A pull's answer as its PullUpdate stream: (message without its payload, payload).
+    The data to train on rides on the stream's last message only."""
+    kind = outer_sync_pb2.PullRequest.FULL_STATE if served.full_state else outer_sync_pb2.PullRequest.UPDATE
+    last = len(served.mine) - 1
+    for i, (seq, chunk) in enumerate(served.mine):
+        head = outer_sync_pb2.UpdateChunk(
+            header=outer_sync_pb2.ChunkHeader(
+                run_id=run_id,
+                round=served.round,
+                fragment=fragment,
+                site=site,
+                codec=served.codec,
+                seq=seq,
+                start=chunk.start,
+                numel=chunk.numel,
+            ),
+            next_round=served.next_round,
+            state_hash=served.state_hash,
+            total_chunks=served.total_chunks,
+            finished=served.finished,
+            kind=kind,
+            data=ranges_to_proto(served.data) if i == last else [],
+        )
+        yield head, chunk.payload

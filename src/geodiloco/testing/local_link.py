@@ -21,16 +21,20 @@ import torch
 from geodiloco.compression import Place, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.fragment_rounds import FragmentedController
+from geodiloco.coordinator.intake import Pushes
+from geodiloco.coordinator.journal import Journal
 from geodiloco.coordinator.refusals import (
     ContributionMissing,
     CoordinatorError,
     FailedPrecondition,
     LateContribution,
 )
+from geodiloco.coordinator.round_metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
+from geodiloco.coordinator.site_calls import JoinCall, PullCall, ReportCall, SiteCalls
 from geodiloco.exchange import ChunkSink, JoinInfo, PulledPart, PushPart, wire_chunk, without_payload
 from geodiloco.fragment_plan import FragmentPlan
-from geodiloco.site.link import FragmentState, Joined, Late, LinkError, PushAgain, Resync
+from geodiloco.site.link import Joined, Late, LinkError, PushAgain, Resync
 from geodiloco.workload.data import DataRange
 
 T = TypeVar("T")
@@ -61,6 +65,11 @@ class LocalCoordinator:
     ) -> None:
         self.cfg = cfg
         self.controller = FragmentedController.create(cfg, initial, shard_sizes, plan)
+        journal = Journal(None)
+        metrics = CoordinatorMetrics(self.controller.primary)
+        self.calls = SiteCalls(
+            self.controller, None, Pushes(self.controller, None, metrics, journal), journal
+        )
         self.loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()
         self._tick_s = tick_s
@@ -136,29 +145,14 @@ class LocalLink:
             raise translate(exc) from exc
 
     def join(self, world_size: int) -> Joined:
-        async def join() -> Joined:
-            record = await self.c.join(self.site, "", world_size)
-            ledger = self.c.primary
-            info = JoinInfo(
-                self.c.cfg.run_id,
-                self.c.cfg.to_json(),
-                ledger.round,
-                ledger.hashes[ledger.round],
-                record.shard_index,
-                len(ledger.sites),
-                self.c.num_params,
-                self.c.cfg.heartbeat_interval_s,
-                self.c.finished,
-                self.c.data_for(self.site),
-            )
-            states = tuple(FragmentState(c.round, c.hashes[c.round], c.finished) for c in self.c.fragments)
-            return Joined(info, states)
+        async def join() -> JoinInfo:
+            return await self.coordinator.calls.join(JoinCall(self.site, "", world_size))
 
-        joined = self._run(join())
-        self.run_id = joined.info.run_id
+        info = self._run(join())
+        self.run_id = info.run_id
         with self._lock:
             self._staged.clear()  # a rejoined site pushes its rounds afresh
-        return joined
+        return Joined(info, info.fragment_states)
 
     def adopt(self, run_id: str, key_id: int) -> None:
         self.run_id = run_id
@@ -178,7 +172,7 @@ class LocalLink:
         self._beat.start()
 
     async def _heartbeat(self) -> None:
-        self.c.member(self.site, self.run_id)
+        self.coordinator.calls.heartbeat(self.site, self.run_id)
 
     def push(self, part: PushPart, *, timeout_s: float) -> None:
         fragment, round_, chunks = part.fragment, part.round, part.chunks
@@ -243,38 +237,20 @@ class LocalLink:
         returned share only so that both links return the same."""
         if not keep_payloads and on_chunk is None:
             raise ValueError("keep_payloads=False needs an on_chunk sink: nothing would read the payloads")
-        c = self._fragment(fragment)
+        call = PullCall(self.site, self.run_id, fragment, round_, full_state, part, parts)
 
         async def pull() -> PulledPart:
-            c.member(self.site, self.run_id)
-            update = None if full_state else await c.wait_for_update(round_, self.site)
-            if update is not None:
-                chunks, codec, digest, at, next_round = (
-                    update.chunks,
-                    update.codec,
-                    update.state_hash,
-                    update.round,
-                    update.round + 1,
-                )
-            else:
-                state = await c.serve_full_state()
-                chunks, codec, digest, at, next_round = (
-                    state.chunks,
-                    state.codec,
-                    state.state_hash,
-                    state.round,
-                    state.round,
-                )
+            served = await self.coordinator.calls.pull(call)
             return PulledPart(
-                is_full_state=update is None,
-                codec=codec,
-                total_chunks=len(chunks),
-                chunks={s: ch for s, ch in enumerate(chunks) if s % max(parts, 1) == part},
-                round=at,
-                next_round=next_round,
-                state_hash=digest,
-                finished=next_round >= self.c.cfg.rounds,
-                data=self.c.data_for(self.site) if self.c.settles_data(fragment) else [],
+                is_full_state=served.full_state,
+                codec=served.codec,
+                total_chunks=served.total_chunks,
+                chunks={seq: chunk for seq, chunk in served.mine if chunk.numel},
+                round=served.round,
+                next_round=served.next_round,
+                state_hash=served.state_hash,
+                finished=served.finished,
+                data=served.data,
             )
 
         pulled = self._run(pull(), timeout_s)
@@ -298,14 +274,23 @@ class LocalLink:
         tokens: int,
         compute_seconds: float,
     ) -> bool:
-        c = self._fragment(fragment)
-        ok, _ = self._run(
-            c.report(self.site, self.run_id, round_, state_hash, eval_loss_sum, eval_count, train_loss)
+        call = ReportCall(
+            self.site,
+            self.run_id,
+            fragment,
+            round_,
+            state_hash,
+            eval_loss_sum,
+            eval_count,
+            train_loss,
+            tokens,
+            compute_seconds,
         )
+        ok, _ = self._run(self.coordinator.calls.report(call))
         return ok
 
     def leave(self, reason: str) -> None:
-        self._run(self.c.leave(self.site, self.run_id, reason))
+        self._run(self.coordinator.calls.leave(self.site, self.run_id, reason))
 
     def close(self) -> None:
         self._closing.set()
