@@ -13,6 +13,7 @@ which bounds what a decoder ever allocates.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -466,8 +467,13 @@ def _parse_stage(text: str) -> StageArgs:
     return StageArgs(name, positional, options)
 
 
+@functools.lru_cache(maxsize=256)
 def parse_pipeline(spec: str) -> Pipeline:
-    """Build a pipeline from its spec; unknown names raise with the list of known ones."""
+    """Build a pipeline from its spec; unknown names raise with the list of known ones.
+
+    A pipeline is an immutable value, so each spec is parsed once per process: the run's codecs
+    (:class:`~geodiloco.config.CompressionConfig`) and the codec named by every chunk received
+    are looked up, not parsed again (a refused spec is not cached: it raises every time)."""
     stages = [_parse_stage(p) for p in spec.split("|") if p.strip()]
     if not stages:
         raise CodecError(f"empty codec pipeline {spec!r}; {_known()}")

@@ -166,8 +166,8 @@ class RoundController:
         self.num_params = self.theta.numel()
         self.round = 0
         self.optimizer = build_outer_optimizer(cfg.outer)
-        self.uplink = parse_pipeline(cfg.compression.uplink)
-        self.downlink = parse_pipeline(cfg.compression.downlink)
+        self.uplink = cfg.compression.uplink_pipeline
+        self.downlink = cfg.compression.downlink_pipeline
         self.full_state_codec = parse_pipeline(FULL_STATE_CODEC)
         self.downlink_feedback = ErrorFeedback(self.num_params, cfg.compression.feedback_decay)
         self.sites = {name: SiteRecord(name, i) for i, name in enumerate(cfg.sites)}

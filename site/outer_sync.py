@@ -569,7 +569,7 @@ class OuterSync:
         self.finished = self.info.finished
         self.steps_in_round = 0
         self.tokens_in_round = 0
-        self.uplink = parse_pipeline(self.config.compression.uplink)
+        self.uplink = self.config.compression.uplink_pipeline
         self.model: nn.Module | None = None
         self.shards: ShardMap | None = None
         self.snapshot: list[torch.Tensor] = []  # θ_r, laid out like the rank's local pieces

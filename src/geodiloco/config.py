@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geodiloco.compression import CodecError, parse_pipeline
+from geodiloco.compression import CodecError, Pipeline, parse_pipeline
 from geodiloco.config_errors import ConfigError as ConfigError
 from geodiloco.workload.model import GPTConfig
 
@@ -211,6 +211,16 @@ class CompressionConfig:
             "compression.feedback_decay",
             f"must be in [0, 1], got {self.feedback_decay}",
         )
+
+    @property
+    def uplink_pipeline(self) -> Pipeline:
+        """The sites' codec, built from its spec (parsed once, when the config was checked)."""
+        return parse_pipeline(self.uplink)
+
+    @property
+    def downlink_pipeline(self) -> Pipeline:
+        """The coordinator's codec for updates."""
+        return parse_pipeline(self.downlink)
 
 
 @dataclass(kw_only=True, slots=True)
