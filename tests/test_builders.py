@@ -23,9 +23,9 @@ from geodiloco.builders import (
 from geodiloco.config import ConfigError, RunConfig, load_config
 from geodiloco.coordinator.edge.server import data_shard_sizes, initial_parameters
 from geodiloco.params import flatten_parameters
+from geodiloco.testing.configs import tiny_config
 from geodiloco.workload import DataRange, DataShards, eval_windows, load_corpus, rank_batch
 from geodiloco.workload import build_model as build_gpt
-from helpers import tiny_config
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

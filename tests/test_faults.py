@@ -253,7 +253,8 @@ print("pushed", len(chunks), flush=True)
 
 
 def test_a_site_killed_mid_push_leaves_the_round_without_its_part(tmp_path: Path) -> None:
-    from helpers import CoordinatorThread, tiny_config
+    from geodiloco.testing.configs import tiny_config
+    from geodiloco.testing.servers import CoordinatorThread
 
     plan = write_plan(
         tmp_path, {"faults": [{"action": "kill", "site": "site-a", "round": 0, "at": "push", "chunk": 2}]}

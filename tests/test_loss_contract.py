@@ -25,10 +25,10 @@ from geodiloco.builders import (
     exit_config_error,
 )
 from geodiloco.config import ConfigError, RunConfig, load_config
+from geodiloco.testing.configs import tiny_config
 from geodiloco.workload.data import DataRange
 from geodiloco.workload.loss import cross_entropy, model_loss
 from geodiloco.workload.steps import evaluate_batches, inner_step
-from helpers import tiny_config
 
 FEATURES, CLASSES = 6, 3
 MODULE = "test_loss_contract"

@@ -13,8 +13,9 @@ import torch
 from geodiloco.params import flatten_parameters, load_flat_parameters, state_hash
 from geodiloco.site import connect
 from geodiloco.site.outer_sync import CATCH_UP_ROUNDS
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.servers import CoordinatorThread
 from geodiloco.workload import build_model
-from helpers import CoordinatorThread, tiny_config
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,9 @@ import torch
 
 from geodiloco.compression import encode_chunks, envelope, parse_pipeline
 from geodiloco.site.edge.client import OuterSyncClient, delta_messages
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.servers import CoordinatorThread
 from geodiloco.v1 import outer_sync_pb2_grpc
-from helpers import CoordinatorThread, tiny_config
 
 pytestmark = pytest.mark.integration
 

@@ -26,7 +26,7 @@ from geodiloco.coordinator.durable import (
 )
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.security.sealing import Keyring, Sealer
-from helpers import tiny_config
+from geodiloco.testing.configs import tiny_config
 
 N = 1000
 RUN_SECRET = bytes(range(32))

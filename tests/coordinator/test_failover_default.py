@@ -11,7 +11,7 @@ import torch
 
 from geodiloco.config import RunConfig, load_config
 from geodiloco.coordinator.rounds import RoundController
-from helpers import tiny_config
+from geodiloco.testing.configs import tiny_config
 
 N = 1000
 DEPLOY_RUN = Path(__file__).resolve().parents[2] / "deploy" / "run.toml"

@@ -32,8 +32,10 @@ from geodiloco.security.secrets import load_secret
 from geodiloco.site.edge.client import OuterSyncClient, delta_messages
 from geodiloco.site.edge.grpc_link import GrpcLink
 from geodiloco.site.outer_sync import OuterSync
+from geodiloco.testing.configs import streaming_config
+from geodiloco.testing.local_runs import Blocks, global_snapshot
+from geodiloco.testing.servers import PLAINTEXT
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
-from helpers import PLAINTEXT, Blocks, global_snapshot, streaming_config
 
 pytestmark = pytest.mark.integration
 T = TypeVar("T")

@@ -20,8 +20,9 @@ from geodiloco.coordinator.refusals import InvalidArgument
 from geodiloco.exchange import WireChunk
 from geodiloco.segment import Segment
 from geodiloco.site.edge.client import OuterSyncClient, delta_messages
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.servers import CoordinatorThread
 from geodiloco.v1 import outer_sync_pb2_grpc
-from helpers import CoordinatorThread, tiny_config
 
 CODEC = "q8|zstd:3"
 PLAIN = "q8"

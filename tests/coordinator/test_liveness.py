@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from geodiloco.site.edge.client import OuterSyncClient
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.servers import CoordinatorThread
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
 from geodiloco.wire import PUSHER_KEY
-from helpers import CoordinatorThread, tiny_config
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ from geodiloco.coordinator.durable import STATE_LABEL
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.coordinator.rundir import RUN_CONFIG, ConfigDrift
 from geodiloco.security.sealing import Keyring
-from helpers import tiny_config
+from geodiloco.testing.configs import tiny_config
 
 N = 1000
 SECRET = bytes(range(32))

@@ -16,7 +16,8 @@ from geodiloco.coordinator.reports import REPORT_LOG
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.coordinator.updatelog import UpdateLogWriter
 from geodiloco.params import state_hash
-from helpers import ledger_problems, round_log, tiny_config
+from geodiloco.testing.audits import ledger_problems, round_log
+from geodiloco.testing.configs import tiny_config
 
 N = 1000
 

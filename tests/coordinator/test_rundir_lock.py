@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import kill_tree, start_coordinator_process, tiny_config
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.processes import kill_tree, start_coordinator_process
 
 pytestmark = pytest.mark.integration
 

@@ -17,8 +17,9 @@ from geodiloco.compression import EncodedChunk, encode_chunks, parse_pipeline
 from geodiloco.exchange import StreamFacts
 from geodiloco.params import state_hash
 from geodiloco.site.edge.client import OuterSyncClient, delta_messages
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.servers import CoordinatorThread
 from geodiloco.v1 import outer_sync_pb2_grpc
-from helpers import CoordinatorThread, tiny_config
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,7 @@ from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError, Durable
 from geodiloco.coordinator.replay import committed_parameters
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.params import state_hash
-from helpers import tiny_config
+from geodiloco.testing.configs import tiny_config
 
 N = 50_000
 TESTS = Path(__file__).resolve().parents[1]

@@ -29,7 +29,7 @@ from geodiloco.config import load_config
 from geodiloco.coordinator.round_metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.prometheus import SiteTelemetry
-from helpers import tiny_config
+from geodiloco.testing.configs import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SitesRun, kill_tree, tiny_config, wait_for_checkpoint
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.processes import SitesRun, kill_tree, wait_for_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 from geodiloco.app.status import fetch_status, request_shutdown
-from helpers import free_port, kill_tree, ledger_problems, round_log, serve_args, spawn_geodiloco, tiny_config
+from geodiloco.testing.audits import ledger_problems, round_log
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.processes import kill_tree, serve_args, spawn_geodiloco
+from geodiloco.testing.servers import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SitesRun, tiny_config
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.processes import SitesRun
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

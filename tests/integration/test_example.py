@@ -15,8 +15,9 @@ import pytest
 from geodiloco.app.status import fetch_status, request_shutdown
 from geodiloco.builders import build_data, build_loss, build_model
 from geodiloco.config import load_config
+from geodiloco.testing.audits import ledger_problems, round_log
+from geodiloco.testing.processes import kill_tree, spawn_geodiloco, start_coordinator_process
 from geodiloco.workload.steps import evaluate_batches
-from helpers import kill_tree, ledger_problems, round_log, spawn_geodiloco, start_coordinator_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SitesRun, eval_losses, tiny_config
+from geodiloco.testing.audits import eval_losses
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.processes import SitesRun
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -14,7 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from geodiloco.app.status import fetch_status
-from helpers import CoordinatorThread, free_port, spawn_geodiloco, tiny_config
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.processes import spawn_geodiloco
+from geodiloco.testing.servers import CoordinatorThread, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

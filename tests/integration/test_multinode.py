@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from geodiloco.site.parallel.checkpoint import read_meta
-from helpers import SitesRun, free_port, kill_tree, tiny_config, wait_for_checkpoint
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.processes import SitesRun, kill_tree, wait_for_checkpoint
+from geodiloco.testing.servers import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

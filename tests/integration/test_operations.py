@@ -25,7 +25,9 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from geodiloco.app.status import fetch_status
-from helpers import free_port, spawn_geodiloco, tiny_config
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.processes import spawn_geodiloco
+from geodiloco.testing.servers import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

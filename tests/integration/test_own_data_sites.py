@@ -11,7 +11,8 @@ import pytest
 
 from geodiloco.app.status import fetch_status, request_shutdown
 from geodiloco.config import load_config
-from helpers import kill_tree, ledger_problems, round_log, spawn_geodiloco, start_coordinator_process
+from geodiloco.testing.audits import ledger_problems, round_log
+from geodiloco.testing.processes import kill_tree, spawn_geodiloco, start_coordinator_process
 
 pytestmark = pytest.mark.integration
 WORKLOAD_TESTS = Path(__file__).resolve().parents[1] / "workload"

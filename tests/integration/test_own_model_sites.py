@@ -17,8 +17,9 @@ from geodiloco.app import cli
 from geodiloco.app.export import model_with, read_committed
 from geodiloco.app.status import fetch_status, request_shutdown
 from geodiloco.config import load_config
+from geodiloco.testing.audits import round_log
+from geodiloco.testing.processes import kill_tree, spawn_geodiloco, start_coordinator_process
 from geodiloco.workload.hf import tiny_llama
-from helpers import kill_tree, round_log, spawn_geodiloco, start_coordinator_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROUNDS = 2

@@ -16,8 +16,9 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from geodiloco.params import canonical_parameters
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.processes import SitesRun, kill_tree, wait_for_checkpoint
 from geodiloco.workload import GPTConfig, build_model
-from helpers import SitesRun, kill_tree, tiny_config, wait_for_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

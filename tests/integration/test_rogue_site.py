@@ -13,8 +13,9 @@ import torch
 from geodiloco.app.status import fetch_status, request_shutdown
 from geodiloco.compression import encode_chunks, parse_pipeline
 from geodiloco.site.edge.client import OuterSyncClient, delta_messages
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.processes import spawn_geodiloco, start_coordinator_process
 from geodiloco.v1 import outer_sync_pb2_grpc
-from helpers import spawn_geodiloco, start_coordinator_process, tiny_config
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,10 @@ from geodiloco.app.wan import LinkConfig, ProxyThread
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.fragment_rounds import PLAN_FILE, fragment_dir
 from geodiloco.faults import FAULT_PLAN_ENV, Fault, FaultPlan, fired
-from helpers import free_port, kill_tree, ledger_problems, round_log, serve_args, spawn_geodiloco, tiny_config
+from geodiloco.testing.audits import ledger_problems, round_log
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.processes import kill_tree, serve_args, spawn_geodiloco
+from geodiloco.testing.servers import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from geodiloco.app.status import fetch_status, request_shutdown
-from helpers import ledger_problems, spawn_geodiloco, start_coordinator_process, tiny_config
+from geodiloco.testing.audits import ledger_problems
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.processes import spawn_geodiloco, start_coordinator_process
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,9 @@ import torch
 from geodiloco.compression import encode_chunks, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.site.edge.client import OuterSyncClient, delta_messages
-from helpers import CoordinatorThread, kill_tree, tiny_config
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.processes import kill_tree
+from geodiloco.testing.servers import CoordinatorThread
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,9 @@ from geodiloco.security.pki import PkiDir
 from geodiloco.security.policy import ServerSecurity
 from geodiloco.security.sealing import Keyring
 from geodiloco.security.secrets import load_secret
-from helpers import CoordinatorThread, kill_tree, spawn_geodiloco, tiny_config
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.processes import kill_tree, spawn_geodiloco
+from geodiloco.testing.servers import CoordinatorThread
 
 pytestmark = pytest.mark.integration
 

@@ -25,8 +25,9 @@ from geodiloco.security.secrets import load_secret
 from geodiloco.security.tls import TlsFiles
 from geodiloco.site.edge.client import OuterSyncClient
 from geodiloco.site.edge.client import delta_messages as push_stream
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.servers import CoordinatorThread
 from geodiloco.v1 import outer_sync_pb2_grpc
-from helpers import CoordinatorThread, tiny_config
 
 SITES = ["site-a", "site-b"]
 

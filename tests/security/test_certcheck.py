@@ -73,7 +73,7 @@ def test_a_certificate_of_another_site_is_named(pki: Pki) -> None:
 def test_the_handshake_names_a_coordinator_of_another_ca(pki: Pki, other_pki: Pki) -> None:
     """The site's own files are consistent (another CA's site certificate and CA), so only the
     handshake can tell: the coordinator's certificate does not verify."""
-    from helpers import tiny_config
+    from geodiloco.testing.configs import tiny_config
 
     with secure_coordinator(pki, tiny_config(sites=["site-a", "site-b"])) as c:
         probe_handshake(c.target, pki.sites["site-a"][0])  # the right files: no complaint

@@ -21,8 +21,8 @@ from geodiloco.params import state_hash
 from geodiloco.security.chunks import open_delta, open_update
 from geodiloco.security.raw_requests import MalformedRequest, decode
 from geodiloco.security.sealing import Keyring, SealError
+from geodiloco.testing.servers import PLAINTEXT
 from geodiloco.v1 import admin_pb2, outer_sync_pb2
-from helpers import PLAINTEXT
 
 from .conftest import Pki, hostile_config, secure_coordinator
 

@@ -17,8 +17,8 @@ from geodiloco.compression.pipeline import parse_pipeline
 from geodiloco.security.chunks import seal_delta
 from geodiloco.security.secrets import load_secret
 from geodiloco.site.edge.client import OuterSyncClient
+from geodiloco.testing.servers import CoordinatorThread
 from geodiloco.v1 import outer_sync_pb2_grpc
-from helpers import CoordinatorThread
 
 from .conftest import (
     Pki,

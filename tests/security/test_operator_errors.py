@@ -26,7 +26,7 @@ def tls_args(files: TlsFiles) -> list[str]:
 
 
 def test_site_run_with_a_name_off_the_allow_list_is_one_line(pki: Pki) -> None:
-    from helpers import tiny_config
+    from geodiloco.testing.configs import tiny_config
 
     files, secret = pki.sites["site-x"]  # a valid certificate of the run's CA; the run names a, b
     with secure_coordinator(pki, tiny_config(sites=["site-a", "site-b"])) as c:
@@ -44,7 +44,7 @@ def test_site_run_with_a_name_off_the_allow_list_is_one_line(pki: Pki) -> None:
 def test_site_run_with_the_wrong_secret_is_one_line_and_joins_nobody(pki: Pki, other_pki: Pki) -> None:
     """The admission probe carries the key proof (issue 16 items 5 and 8): a wrong secret is
     refused before torchrun starts, in one line, and the site never becomes a member."""
-    from helpers import tiny_config
+    from geodiloco.testing.configs import tiny_config
 
     files, _ = pki.sites["site-a"]
     _, wrong = other_pki.sites["site-a"]
@@ -61,7 +61,7 @@ def test_site_run_with_the_wrong_secret_is_one_line_and_joins_nobody(pki: Pki, o
 
 
 def test_status_with_a_site_certificate_says_what_it_may_see(pki: Pki) -> None:
-    from helpers import tiny_config
+    from geodiloco.testing.configs import tiny_config
 
     with secure_coordinator(pki, tiny_config(sites=["site-a", "site-b"])) as c:
         site = tls_args(pki.sites["site-a"][0])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from helpers import CoordinatorThread
+from geodiloco.testing.servers import CoordinatorThread
 
 from .conftest import Pki, delta_messages, push_raw, refused, small_delta
 

@@ -8,8 +8,9 @@ import pytest
 from geodiloco.app.status import fetch_status, request_shutdown
 from geodiloco.security.secrets import load_secret
 from geodiloco.site.edge.client import OuterSyncClient
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.servers import CoordinatorThread
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
-from helpers import CoordinatorThread, tiny_config
 
 from .conftest import (
     Pki,

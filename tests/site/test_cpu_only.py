@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CoordinatorThread, tiny_config
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.servers import CoordinatorThread
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,10 @@ from geodiloco.faults import FAULT_PLAN_ENV, fired
 from geodiloco.params import flatten_parameters, state_hash
 from geodiloco.site import connect
 from geodiloco.site.edge.client import OuterSyncClient
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.local_runs import global_snapshot
+from geodiloco.testing.servers import CoordinatorThread, free_port
 from geodiloco.workload import build_model
-from helpers import CoordinatorThread, free_port, global_snapshot, tiny_config
 
 pytestmark = pytest.mark.integration
 

@@ -21,8 +21,9 @@ from torch.utils._pytree import tree_leaves
 from geodiloco.params import HASH_BLOCK
 from geodiloco.site import connect
 from geodiloco.site.parallel.layout import ParallelConfig, build_mesh, parallelize
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.servers import CoordinatorThread, free_port
 from geodiloco.workload import build_model
-from helpers import CoordinatorThread, free_port, tiny_config
 
 pytestmark = pytest.mark.integration
 

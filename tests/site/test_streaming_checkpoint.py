@@ -9,17 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from test_link_local import TOKENS, Blocks, config, coordinator_for, inner_step
 
 import geodiloco.site.parallel.checkpoint as checkpoint
 from geodiloco.params import flatten_parameters
 from geodiloco.site.outer_sync import OuterSync
+from geodiloco.testing.configs import streaming_config
+from geodiloco.testing.local_runs import TOKENS, Blocks, coordinator_for, inner_step
 
 
 def test_a_checkpoint_mid_round_lands_the_fragment_in_flight_and_restores_every_fragment(
     tmp_path: Path,
 ) -> None:
-    cfg = config(fragments=2, overlap=1, rounds=3)
+    cfg = streaming_config(fragments=2, overlap=1, rounds=3)
     seen: dict[str, Any] = {}
 
     def train(coordinator: Any, name: str, out: dict[str, OuterSync]) -> None:

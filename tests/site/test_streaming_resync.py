@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from test_link_local import config, coordinator_for, run_sites
 
 from geodiloco.exchange import PushPart
 from geodiloco.site.link import Resync
+from geodiloco.testing.configs import streaming_config
 from geodiloco.testing.local_link import LocalCoordinator
-from helpers import global_snapshot
+from geodiloco.testing.local_runs import coordinator_for, global_snapshot, run_sites
 
 
 class ForgetsTheSite:
@@ -40,7 +40,9 @@ class ForgetsTheSite:
 
 
 def test_a_forgotten_site_pushes_its_open_fragment_round_again() -> None:
-    cfg = config(fragments=2, overlap=1, min_sites=2, round_timeout_s=600.0)  # every round waits for both
+    cfg = streaming_config(
+        fragments=2, overlap=1, min_sites=2, round_timeout_s=600.0
+    )  # every round waits for both
     with coordinator_for(cfg) as coordinator:
         forgetful = ForgetsTheSite(coordinator, coordinator.link("site-b"), 0, 1)
         real_link = coordinator.link

@@ -11,7 +11,7 @@ import pytest
 from geodiloco.app.baseline import cross_site_bytes
 from geodiloco.coordinator.edge.server import initial_parameters
 from geodiloco.site.daemon.launcher import worker_command, worker_env
-from helpers import tiny_config
+from geodiloco.testing.configs import tiny_config
 
 
 def test_ring_over_sites_formula() -> None:

@@ -4,83 +4,23 @@ catch-up and resync is checked against the controllers' own state."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
-from geodiloco.config import RunConfig
 from geodiloco.exchange import PushPart
-from geodiloco.params import canonical_parameters, flatten_parameters, state_hash
+from geodiloco.params import flatten_parameters, state_hash
 from geodiloco.site.fragment_schedule import FragmentPlan
 from geodiloco.site.outer_sync import CATCH_UP_ROUNDS, OuterSync
-from geodiloco.testing.local_link import LocalCoordinator
-from helpers import Blocks, global_snapshot, streaming_config
-
-TOKENS = 100
-
-
-def config(fragments: int = 1, overlap: int = 0, **overrides: object) -> RunConfig:
-    return streaming_config(fragments, overlap, **overrides)
-
-
-def coordinator_for(cfg: RunConfig) -> LocalCoordinator:
-    model = Blocks()
-    plan = FragmentPlan.of_model(model, cfg.outer.fragments)
-    return LocalCoordinator(cfg, flatten_parameters(model), [10_000] * cfg.data.shards, plan)
-
-
-@torch.no_grad()
-def inner_step(model: nn.Module, gen: torch.Generator) -> None:
-    """A stand-in for an optimizer step: a small seeded move of every parameter."""
-    for _, p in canonical_parameters(model):
-        p.add_(torch.randn(p.shape, generator=gen) * 1e-2)
-
-
-Hook = Callable[[OuterSync, int], None]  # called before each inner step: (sync, global step)
-
-
-def train(coordinator: LocalCoordinator, name: str, out: dict[str, object], hook: Hook | None = None) -> None:
-    sync = OuterSync.over(coordinator.link(name))
-    model = sync.attach(Blocks())
-    reloaded = sync.bytes_received  # nothing pulled at attach: the site starts from θ_0
-    gen = torch.Generator().manual_seed(sum(map(ord, name)))
-    step, merges = 0, []
-    try:
-        while not sync.finished:
-            if hook is not None:
-                hook(sync, step)
-            inner_step(model, gen)
-            before = flatten_parameters(model)
-            if sync.step(tokens=TOKENS):
-                sync.report(1.0, 1, 0.5, 0.01)
-            merges.append((before, flatten_parameters(model), global_snapshot(sync)))
-            step += 1
-    finally:
-        sync.close()
-    out[name] = {"sync": sync, "model": model, "merges": merges, "reloaded": reloaded}
-
-
-def run_sites(coordinator: LocalCoordinator, hooks: dict[str, Hook] | None = None) -> dict[str, dict]:
-    out: dict[str, dict] = {}
-    threads = [
-        threading.Thread(target=train, args=(coordinator, n, out, (hooks or {}).get(n)))
-        for n in coordinator.cfg.sites
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert set(out) == set(coordinator.cfg.sites), "a site did not finish"
-    return out
+from geodiloco.testing.configs import streaming_config
+from geodiloco.testing.local_runs import TOKENS, Blocks, coordinator_for, global_snapshot, run_sites
 
 
 def test_blocking_rounds_keep_every_replica_bit_identical() -> None:
-    cfg = config()
+    cfg = streaming_config()
     with coordinator_for(cfg) as coordinator:
         out = run_sites(coordinator)
         c = coordinator.fragment(0)
@@ -96,7 +36,7 @@ def test_blocking_rounds_keep_every_replica_bit_identical() -> None:
 
 @pytest.mark.parametrize(("fragments", "overlap"), [(2, 0), (2, 1), (1, 2), (4, 0)])
 def test_streaming_fragments_commit_and_agree(fragments: int, overlap: int) -> None:
-    cfg = config(fragments, overlap)
+    cfg = streaming_config(fragments, overlap)
     with coordinator_for(cfg) as coordinator:
         out = run_sites(coordinator)
         assert coordinator.controller.finished
@@ -111,7 +51,7 @@ def test_streaming_fragments_commit_and_agree(fragments: int, overlap: int) -> N
 
 
 def test_overlap_mixes_the_global_fragment_tau_steps_after_its_push() -> None:
-    cfg = config(fragments=2, overlap=1, rounds=2)
+    cfg = streaming_config(fragments=2, overlap=1, rounds=2)
     with coordinator_for(cfg) as coordinator:
         out = run_sites(coordinator)
     sync, merges = out["site-a"]["sync"], out["site-a"]["merges"]
@@ -144,7 +84,7 @@ def test_late_fragment_is_dropped_counted_and_caught_up(
     has committed ``behind`` rounds without it: its push is late (dropped, counted), and it
     rejoins and catches up (kept updates, or the full state when too far behind)."""
     caplog.set_level("INFO", logger="geodiloco.site")
-    cfg = config(fragments, overlap, rounds=5, min_sites=1, round_timeout_s=0.2)
+    cfg = streaming_config(fragments, overlap, rounds=5, min_sites=1, round_timeout_s=0.2)
     with coordinator_for(cfg) as coordinator:
         c0 = coordinator.fragment(0)
         push_at = cfg.inner.steps_per_round + (cfg.inner.steps_per_round // fragments - overlap) - 1
@@ -186,7 +126,7 @@ class LosesOnePush:
 @pytest.mark.parametrize(("fragments", "overlap"), [(1, 0), (2, 1)])
 def test_a_lost_push_is_pushed_again(fragments: int, overlap: int, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="geodiloco.site")
-    cfg = config(fragments, overlap)
+    cfg = streaming_config(fragments, overlap)
     with coordinator_for(cfg) as coordinator:
         lossy = LosesOnePush(coordinator.link("site-b"), 0, 1)
         real_link = coordinator.link

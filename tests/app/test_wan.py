@@ -17,8 +17,9 @@ from geodiloco.app.cli import main
 from geodiloco.app.status import fetch_status
 from geodiloco.app.wan import Direction, LinkConfig, ProxyThread, WanProxy
 from geodiloco.site.edge.client import OuterSyncClient
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.servers import CoordinatorThread
 from geodiloco.v1 import outer_sync_pb2
-from helpers import CoordinatorThread, tiny_config
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ from geodiloco.coordinator.edge.server import data_shard_sizes, initial_paramete
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.params import flatten_parameters
 from geodiloco.security.sealing import Keyring
-from helpers import tiny_config
+from geodiloco.testing.configs import tiny_config
 
 RUN_SECRET = bytes(range(32))
 

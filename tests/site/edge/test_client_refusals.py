@@ -12,7 +12,9 @@ import pytest
 from geodiloco.security.secrets import RUN_SECRET, new_run_secret, write_site_secret
 from geodiloco.site.daemon.launcher import EXIT_REFUSED
 from geodiloco.site.daemon.worker import round_train_loss
-from helpers import CoordinatorThread, kill_tree, spawn_geodiloco, tiny_config
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.processes import kill_tree, spawn_geodiloco
+from geodiloco.testing.servers import CoordinatorThread
 
 
 def test_train_loss_is_reported_only_for_the_round_it_trained() -> None:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CoordinatorThread, start_coordinator_process, tiny_config
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.processes import start_coordinator_process
+from geodiloco.testing.servers import CoordinatorThread
 
 SUBCOMMANDS = [
     [],
