@@ -133,7 +133,7 @@ export class OuterSyncClient {
   /** Join; with the site secret, the request carries its key proof (protocol.md §6.2). */
   async join(worldSize = 1, secret: Uint8Array | null = null): Promise<JoinResponse> {
     const keyProof = secret ? joinProof(secret, this.runId, this.site, worldSize) : Buffer.alloc(0);
-    const request = { run_id: this.runId, site: this.site, world_size: worldSize, version: "ts-0.1.0", key_proof: keyProof };
+    const request = { run_id: this.runId, site: this.site, world_size: worldSize, version: "", key_proof: keyProof };  // protocol.md §3: a foreign site sends no version
     const reply = await this.unary<JoinResponse>("Join", request);
     this.runId = reply.run_id;
     return reply;
