@@ -22,7 +22,7 @@ from geodiloco.compression import parse_pipeline
 from geodiloco.compression.entropy import stored_frame
 from geodiloco.compression.envelope import seal as frame
 from geodiloco.params import state_hash
-from geodiloco.security.chunks import _delta_aad, _update_aad  # the AAD bytes themselves are the vector
+from geodiloco.security.chunks import delta_aad, update_aad  # the AAD bytes themselves are the vector
 from geodiloco.security.joinproof import join_proof
 from geodiloco.security.sealing import SiteKeys, key_id
 from geodiloco.security.secrets import hkdf, site_secret
@@ -148,10 +148,10 @@ def sealing() -> dict[str, Any]:
     cases = []
     for i, (name, msg, aad_of, key) in enumerate(
         (
-            ("delta", delta, _delta_aad, up),
-            ("delta_strided_parts0", strided, _delta_aad, up),
-            ("update", update, _update_aad, down),
-            ("full_state_finished", full, _update_aad, down),
+            ("delta", delta, delta_aad, up),
+            ("delta_strided_parts0", strided, delta_aad, up),
+            ("update", update, update_aad, down),
+            ("full_state_finished", full, update_aad, down),
         )
     ):
         nonce = bytes([i + 1]) * 12

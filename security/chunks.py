@@ -10,7 +10,8 @@ none of them can be changed or replayed elsewhere without the tag failing.
 from __future__ import annotations
 
 import struct
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 from geodiloco.security.sealing import ChunkHeaderFields, Sealer, SealError
 
@@ -21,7 +22,75 @@ class KeyMismatch(SealError):
     """A chunk sealed under another key id: the peer's secret is not this run's."""
 
 
-def _fields(msg: Any, direction: str, kind: str) -> ChunkHeaderFields:
+# What these functions (and the coordinator's intake) read of a chunk message: the generated
+# DeltaChunk and UpdateChunk have these fields, so they fit without this library importing them.
+
+
+class RangeFields(Protocol):
+    @property
+    def shard(self) -> int: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+    @property
+    def epoch(self) -> int: ...
+
+
+class HeaderFields(Protocol):
+    run_id: str
+    round: int
+    fragment: int
+    site: str
+    codec: str
+    seq: int
+    start: int
+    numel: int
+    rows: int
+    stride: int
+    key_id: int  # set when sealing
+    nonce: bytes  # set when sealing
+
+
+class ChunkMessage(Protocol):
+    payload: bytes  # a received message's may be a view of the bytes read
+
+    @property
+    def header(self) -> HeaderFields: ...
+    @property
+    def total_chunks(self) -> int: ...
+    @property
+    def data(self) -> Sequence[RangeFields]: ...
+
+
+class DeltaMessage(ChunkMessage, Protocol):
+    """A push's chunk (DeltaChunk)."""
+
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def part(self) -> int: ...
+    @property
+    def parts(self) -> int: ...
+
+
+class UpdateMessage(ChunkMessage, Protocol):
+    """A pull's chunk (UpdateChunk)."""
+
+    @property
+    def next_round(self) -> int: ...
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def state_hash(self) -> str: ...
+    @property
+    def kind(self) -> int: ...
+
+
+M = TypeVar("M", bound=ChunkMessage)
+
+
+def _fields(msg: ChunkMessage, direction: str, kind: str) -> ChunkHeaderFields:
     h = msg.header
     return ChunkHeaderFields(
         direction=direction,
@@ -40,28 +109,32 @@ def _fields(msg: Any, direction: str, kind: str) -> ChunkHeaderFields:
     )
 
 
-def _ranges(data: Any) -> bytes:
+def _ranges(data: Sequence[RangeFields]) -> bytes:
     """The data ledger ranges a chunk carries, so they cannot be swapped either."""
     return b"".join(struct.pack(">IQQI", d.shard, d.start, d.end, d.epoch) for d in data)
 
 
-def _delta_aad(msg: Any) -> bytes:
+def delta_aad(msg: DeltaMessage) -> bytes:
+    """Everything a push's chunk says but its nonce and payload, unambiguously encoded."""
     extra = struct.pack(">QIIII", msg.tokens, msg.total_chunks, msg.part, msg.parts, len(msg.data))
     extra += _ranges(msg.data)
     return _fields(msg, "up", "delta").aad(extra)
 
 
-def _update_aad(msg: Any) -> bytes:
+def update_aad(msg: UpdateMessage) -> bytes:
+    """Everything a pull's chunk says but its nonce and payload, unambiguously encoded."""
     kind = UPDATE_KINDS.get(msg.kind, f"kind-{msg.kind}")
     extra = struct.pack(">QI?I", msg.next_round, msg.total_chunks, msg.finished, len(msg.data))
     return _fields(msg, "down", kind).aad(extra + msg.state_hash.encode() + _ranges(msg.data))
 
 
-def _seal(sealer: Sealer, msg: Any, aad_of: Any) -> None:
+def _seal(sealer: Sealer, msg: M, aad_of: Callable[[M], bytes]) -> None:
     msg.payload = _sealed_payload(sealer, msg, msg.payload, aad_of)
 
 
-def _sealed_payload(sealer: Sealer, msg: Any, payload: bytes | memoryview, aad_of: Any) -> bytes:
+def _sealed_payload(
+    sealer: Sealer, msg: M, payload: bytes | memoryview, aad_of: Callable[[M], bytes]
+) -> bytes:
     """``payload`` sealed for ``msg``, whose header gets the key id and nonce (the payload is
     not part of the associated data, so it may travel outside the message until encoding)."""
     msg.header.key_id = sealer.key_id
@@ -69,7 +142,7 @@ def _sealed_payload(sealer: Sealer, msg: Any, payload: bytes | memoryview, aad_o
     return sealed
 
 
-def _open(sealer: Sealer, msg: Any, aad_of: Any) -> bytes:
+def _open(sealer: Sealer, msg: M, aad_of: Callable[[M], bytes]) -> bytes:
     h = msg.header
     if h.key_id == 0 and not h.nonce:
         raise KeyMismatch(f"chunk {h.seq} is not sealed; this run requires sealed payloads")
@@ -85,30 +158,30 @@ def _open(sealer: Sealer, msg: Any, aad_of: Any) -> bytes:
     return payload
 
 
-def seal_delta(sealer: Sealer, msg: Any) -> None:
+def seal_delta(sealer: Sealer, msg: DeltaMessage) -> None:
     """Seal a DeltaChunk's payload in place (sets nonce and key id)."""
-    _seal(sealer, msg, _delta_aad)
+    _seal(sealer, msg, delta_aad)
 
 
-def sealed_delta_payload(sealer: Sealer, msg: Any, payload: bytes) -> bytes:
+def sealed_delta_payload(sealer: Sealer, msg: DeltaMessage, payload: bytes) -> bytes:
     """:func:`seal_delta` of a DeltaChunk without its payload: sets its nonce and key id and
     returns the sealed ``payload``."""
-    return _sealed_payload(sealer, msg, payload, _delta_aad)
+    return _sealed_payload(sealer, msg, payload, delta_aad)
 
 
-def sealed_update_payload(sealer: Sealer, msg: Any, payload: bytes | memoryview) -> bytes:
+def sealed_update_payload(sealer: Sealer, msg: UpdateMessage, payload: bytes | memoryview) -> bytes:
     """:func:`sealed_delta_payload` for an UpdateChunk."""
-    return _sealed_payload(sealer, msg, payload, _update_aad)
+    return _sealed_payload(sealer, msg, payload, update_aad)
 
 
-def open_delta(sealer: Sealer, msg: Any) -> bytes:
+def open_delta(sealer: Sealer, msg: DeltaMessage) -> bytes:
     """The plaintext payload of a DeltaChunk, or SealError/KeyMismatch."""
-    return _open(sealer, msg, _delta_aad)
+    return _open(sealer, msg, delta_aad)
 
 
-def seal_update(sealer: Sealer, msg: Any) -> None:
-    _seal(sealer, msg, _update_aad)
+def seal_update(sealer: Sealer, msg: UpdateMessage) -> None:
+    _seal(sealer, msg, update_aad)
 
 
-def open_update(sealer: Sealer, msg: Any) -> bytes:
-    return _open(sealer, msg, _update_aad)
+def open_update(sealer: Sealer, msg: UpdateMessage) -> bytes:
+    return _open(sealer, msg, update_aad)
