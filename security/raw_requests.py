@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import grpc
 from google.protobuf import message_factory
@@ -22,7 +22,10 @@ from geodiloco.security.request_errors import MalformedRequest
 log = logging.getLogger("geodiloco.coordinator")
 
 
-def decode(cls: type[Message], data: bytes) -> Any:
+M = TypeVar("M", bound=Message)
+
+
+def decode(cls: type[M], data: bytes) -> M:
     """Parse ``data`` as ``cls``; any failure is a MalformedRequest naming the type."""
     try:
         return cls.FromString(data)
@@ -43,7 +46,7 @@ class CutMessage:
 
     __slots__ = ("message", "payload")
 
-    def __init__(self, message: Any, payload: memoryview) -> None:
+    def __init__(self, message: Message, payload: memoryview) -> None:
         self.message, self.payload = message, payload
 
     def __getattr__(self, name: str) -> Any:
@@ -122,15 +125,16 @@ def cut_field(data: bytes, number: int) -> tuple[bytes, memoryview] | None:
     return None if value is None else (b"".join(kept), value)
 
 
-def decode_cut(cls: type[Message], data: bytes, field: str = BULK_FIELD) -> Any:
+def decode_cut(cls: type[M], data: bytes, field: str = BULK_FIELD) -> M:
     """Parse ``data`` as ``cls`` with ``field`` (bytes) left unparsed where it can be: a
-    :class:`CutMessage`, or the plain message where the field is absent or the bytes are odd."""
+    :class:`CutMessage`, or the plain message where the field is absent or the bytes are odd.
+    Typed as ``cls``: a cut message reads as one (its payload a view rather than bytes)."""
     cut = cut_field(data, cls.DESCRIPTOR.fields_by_name[field].number)
     if cut is None:
         return decode(cls, data)
     rest, value = cut
     try:
-        return CutMessage(cls.FromString(rest), value)
+        return cast(M, CutMessage(cls.FromString(rest), value))
     except (DecodeError, RuntimeError, ValueError) as exc:
         raise MalformedRequest(f"malformed {cls.DESCRIPTOR.name} ({len(data)} bytes): {exc}") from None
 
@@ -148,13 +152,13 @@ class DecodedStream:
     def __aiter__(self) -> DecodedStream:
         return self
 
-    async def __anext__(self) -> Any:
+    async def __anext__(self) -> Message:
         data = await anext(self._raw)
         self.last_size = len(data)
         return decode_cut(self._cls, data) if self._cut else decode(self._cls, data)
 
 
-def wire_size(stream: AsyncIterator[Any], message: Message) -> int:
+def wire_size(stream: AsyncIterator[Message], message: Message) -> int:
     """The wire size of ``message``, just read from ``stream``."""
     return stream.last_size if isinstance(stream, DecodedStream) else message.ByteSize()
 
