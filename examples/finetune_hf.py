@@ -58,13 +58,14 @@ def pretrain(out: Path, steps: int) -> None:
 
 
 def sample_text(workdir: Path) -> list[str]:
-    """Stand-in for your files: this repository's Markdown, one file per section, so that the
-    byte data can hold whole files out for evaluation (every tenth, ``data.eval_fraction``)."""
+    """Stand-in for your files: this repository's Markdown (README, docs/, the folders' READMEs),
+    one file per section, so that the byte data can hold whole files out for evaluation (every
+    tenth, ``data.eval_fraction``)."""
     out = workdir / "text"
     out.mkdir(exist_ok=True)
     sections = [
         part
-        for doc in sorted([*REPO.glob("*.md"), *REPO.glob("*/README.md")])
+        for doc in sorted([*REPO.glob("*.md"), *REPO.glob("*/README.md"), *REPO.glob("docs/*.md")])
         for part in doc.read_text().split("\n## ")
     ]
     for i, part in enumerate(sections):
