@@ -27,7 +27,7 @@ from geodiloco.coordinator.refusals import (
     Unauthenticated,
 )
 from geodiloco.coordinator.rounds import CommittedUpdate, RoundController
-from geodiloco.exchange import FragmentState, JoinInfo, Served
+from geodiloco.exchange import FragmentState, JoinInfo, PullShare, RoundReport, Served
 from geodiloco.security.sealing import Keyring
 
 log = logging.getLogger("geodiloco.coordinator")
@@ -57,25 +57,14 @@ class Lease:
 class ReportCall:
     site: str
     run_id: str
-    fragment: int
-    round: int
-    state_hash: str
-    eval_loss_sum: float
-    eval_count: int
-    train_loss: float
-    tokens: int
-    compute_seconds: float
+    report: RoundReport
 
 
 @dataclass(frozen=True, slots=True)
 class PullCall:
     site: str
     run_id: str
-    fragment: int
-    round: int
-    full_state: bool  # the fragment's current state rather than the update closing ``round``
-    part: int = 0
-    parts: int = 1
+    share: PullShare
 
 
 def _finite_or_zero(x: float) -> float:
@@ -150,32 +139,27 @@ class SiteCalls:
 
     async def report(self, call: ReportCall) -> tuple[bool, str]:
         """A site's hash of a fragment after a round, and its metrics: (hash agrees, expected)."""
-        c = self.run.fragment(call.fragment)
-        if call.eval_count and not math.isfinite(call.eval_loss_sum):
+        r = call.report
+        c = self.run.fragment(r.fragment)
+        if r.eval_count and not math.isfinite(r.eval_loss_sum):
             raise InvalidArgument("eval_loss_sum must be finite")
         limit = self.c.cfg.limits.max_tokens
-        if not 0 <= call.eval_count <= limit or not 0 <= call.tokens <= limit:
+        if not 0 <= r.eval_count <= limit or not 0 <= r.tokens <= limit:
             raise InvalidArgument(f"eval_count or tokens exceeds limits.max_tokens {limit}")
-        train_loss = _finite_or_zero(call.train_loss)
+        train_loss = _finite_or_zero(r.train_loss)
         answer = await c.report(
-            call.site,
-            call.run_id,
-            call.round,
-            call.state_hash,
-            call.eval_loss_sum,
-            call.eval_count,
-            train_loss,
+            call.site, call.run_id, r.round, r.state_hash, r.eval_loss_sum, r.eval_count, train_loss
         )
         self.journal.write(
             "report",
             site=call.site,
-            round=call.round,
-            **({"fragment": call.fragment} if self.run.count > 1 else {}),
-            eval_loss_sum=call.eval_loss_sum,
-            eval_count=call.eval_count,
+            round=r.round,
+            **({"fragment": r.fragment} if self.run.count > 1 else {}),
+            eval_loss_sum=r.eval_loss_sum,
+            eval_count=r.eval_count,
             train_loss=train_loss,
-            tokens=call.tokens,
-            compute_s=_finite_or_zero(call.compute_seconds),
+            tokens=r.tokens,
+            compute_s=_finite_or_zero(r.compute_seconds),
         )
         return answer
 
@@ -183,16 +167,17 @@ class SiteCalls:
         await self.run.leave(site, run_id, reason)
 
     async def pull(self, call: PullCall) -> Served:
-        """What a pull streams: the update closing ``call.round`` once it commits (the current
+        """What a pull streams: the update closing ``share.round`` once it commits (the current
         full state when that update is no longer kept), or the fragment's current full state."""
-        c = self.run.fragment(call.fragment)
+        share = call.share
+        c = self.run.fragment(share.fragment)
         c.member(call.site, call.run_id)
         limit = self.c.cfg.limits.max_parts
-        if not 0 <= call.part < max(call.parts, 1) <= limit:
+        if not 0 <= share.part < max(share.parts, 1) <= limit:
             raise InvalidArgument(
-                f"part {call.part} of {call.parts} is out of range (limits.max_parts {limit})"
+                f"part {share.part} of {share.parts} is out of range (limits.max_parts {limit})"
             )
-        update = None if call.full_state else await self._wait_for_update(c, call.round, call.site)
+        update = None if share.full_state else await self._wait_for_update(c, share.round, call.site)
         if update is not None:
             chunks, codec, digest = update.chunks, update.codec, update.state_hash
             full_state, round_, next_round = False, update.round, update.round + 1
@@ -200,11 +185,11 @@ class SiteCalls:
             state = await c.serve_full_state()  # never one a commit has not made durable
             chunks, codec, digest = state.chunks, state.codec, state.state_hash
             full_state, round_, next_round = True, state.round, state.round
-        parts = call.parts or 1
-        mine = [(seq, chunk) for seq, chunk in enumerate(chunks) if seq % parts == call.part]
+        parts = share.parts or 1
+        mine = [(seq, chunk) for seq, chunk in enumerate(chunks) if seq % parts == share.part]
         if not mine:  # more pullers than chunks: this one gets the stream's facts, no payload
             mine = [(len(chunks), EncodedChunk(0, 0, b""))]
-        settles = self.run.settles_data(call.fragment)
+        settles = self.run.settles_data(share.fragment)
         return Served(
             full_state,
             codec,
@@ -231,7 +216,7 @@ class SiteCalls:
             "pull",
             site=call.site,
             round=served.round,
-            **({"fragment": call.fragment} if self.run.count > 1 else {}),
+            **({"fragment": call.share.fragment} if self.run.count > 1 else {}),
             kind="full_state" if served.full_state else "update",
             t0=t0,
             t_ready=t_ready,

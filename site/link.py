@@ -16,7 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from geodiloco.exchange import ChunkSink, FragmentState, JoinInfo, PulledPart, PushPart, WireChunk
+from geodiloco.exchange import (
+    ChunkSink,
+    FragmentState,
+    JoinInfo,
+    PulledPart,
+    PullShare,
+    PushPart,
+    RoundReport,
+    WireChunk,
+)
 
 __all__ = [
     "ChunkSink",
@@ -26,10 +35,12 @@ __all__ = [
     "Late",
     "Link",
     "LinkError",
+    "PullShare",
     "PulledPart",
     "PushAgain",
     "PushPart",
     "Resync",
+    "RoundReport",
     "WireChunk",
 ]
 
@@ -108,34 +119,20 @@ class Link(Protocol):
 
     def pull(
         self,
-        fragment: int,
-        round_: int,
+        share: PullShare,
         *,
-        full_state: bool,
-        part: int,
-        parts: int,
         timeout_s: float,
         on_chunk: ChunkSink | None = None,
         keep_payloads: bool = True,
     ) -> PulledPart:
-        """This puller's share of the update closing the fragment's ``round_`` (waits for its
-        commit), or of the fragment's current full state; ``on_chunk`` and ``keep_payloads`` as
-        in :meth:`geodiloco.site.edge.client.OuterSyncClient.pull`."""
+        """This puller's share of an update (waits for its commit) or of the current full state;
+        ``on_chunk`` and ``keep_payloads`` as in
+        :meth:`geodiloco.site.edge.client.OuterSyncClient.pull`."""
         ...
 
-    def report(
-        self,
-        fragment: int,
-        round_: int,
-        state_hash: str,
-        eval_loss_sum: float,
-        eval_count: int,
-        train_loss: float,
-        tokens: int,
-        compute_seconds: float,
-    ) -> bool:
-        """The site's hash of the fragment after ``round_`` closed (and its metrics); True when
-        the coordinator's hash agrees."""
+    def report(self, report: RoundReport) -> bool:
+        """The site's hash of a fragment after a round closed, and its metrics; True when the
+        coordinator's hash agrees."""
         ...
 
     def leave(self, reason: str) -> None:

@@ -42,7 +42,7 @@ from torch import nn
 
 from geodiloco.compression import ErrorFeedback, Pipeline, Place, parse_pipeline
 from geodiloco.config import RunConfig
-from geodiloco.exchange import LazyChunks, PulledPart, PushPart, WireChunk
+from geodiloco.exchange import LazyChunks, PulledPart, PullShare, PushPart, RoundReport, WireChunk
 from geodiloco.params import HASH_BLOCK, Checksum, canonical_parameters
 from geodiloco.segment import Segment
 from geodiloco.site.fragment_schedule import FragmentPlan, ParameterSubset, Schedule
@@ -469,11 +469,7 @@ class FragmentSync:
         if self.group.world == 1 and self.as_pulled is None:
             self.as_pulled = ApplyAsPulled(self.shards, lambda: self.snapshot)
         return self.link.pull(
-            self.index,
-            round_,
-            full_state=full_state,
-            part=self.group.rank,
-            parts=self.group.world,
+            PullShare(self.index, round_, full_state, self.group.rank, self.group.world),
             timeout_s=self.owner.pull_timeout_s,
             on_chunk=self.as_pulled,
             keep_payloads=self.as_pulled is None,
@@ -734,7 +730,7 @@ class OuterSync:
             m = self.merged.popleft()
             metrics = m.fragment == len(self.fragments) - 1
             try:
-                ok = self.link.report(
+                report = RoundReport(
                     m.fragment,
                     m.round,
                     m.state_hash,
@@ -744,6 +740,7 @@ class OuterSync:
                     m.tokens,
                     compute_seconds if metrics else 0.0,
                 )
+                ok = self.link.report(report)
             except LinkError as exc:  # metrics only: never worth stopping the training for
                 log.warning("report of fragment %d round %d failed: %s", m.fragment, m.round, exc)
                 continue

@@ -38,6 +38,7 @@ from geodiloco.coordinator.refusals import (
 from geodiloco.coordinator.round_metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController, SiteRecord
 from geodiloco.coordinator.site_calls import JoinCall, PullCall, ReportCall, SiteCalls
+from geodiloco.exchange import PullShare, RoundReport
 from geodiloco.security.chunks import sealed_update_payload
 from geodiloco.security.policy import Denied, ServerSecurity, is_admin, peer_identity, require_site
 from geodiloco.security.ratelimit import RateLimiter
@@ -175,9 +176,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
     ) -> outer_sync_pb2.ReportResponse:
         async def handle() -> outer_sync_pb2.ReportResponse:
             r = request
-            call = ReportCall(
-                r.site,
-                r.run_id,
+            report = RoundReport(
                 r.fragment,
                 r.round,
                 r.state_hash,
@@ -187,6 +186,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
                 r.tokens,
                 r.compute_seconds,
             )
+            call = ReportCall(r.site, r.run_id, report)
             ok, expected = await self.calls.report(call)
             return outer_sync_pb2.ReportResponse(hash_ok=ok, expected_hash=expected)
 
@@ -255,22 +255,16 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
             self._count(request.site, received=request)
             if request.kind not in (outer_sync_pb2.PullRequest.UPDATE, outer_sync_pb2.PullRequest.FULL_STATE):
                 raise InvalidArgument("PullRequest.kind must be UPDATE or FULL_STATE")
-            call = PullCall(
-                request.site,
-                request.run_id,
-                request.fragment,
-                request.round,
-                request.kind == outer_sync_pb2.PullRequest.FULL_STATE,
-                request.part,
-                request.parts,
-            )
+            full_state = request.kind == outer_sync_pb2.PullRequest.FULL_STATE
+            share = PullShare(request.fragment, request.round, full_state, request.part, request.parts)
+            call = PullCall(request.site, request.run_id, share)
             served = await self.calls.pull(call)
         except REFUSALS as exc:
             await _abort(context, "PullUpdate", request.site, exc)
         keys = self.security.keyring.site(request.site) if self.security.keyring else None
         ready, sent = time.time(), 0
         with self.run.transferring(request.site):
-            for head, payload in served_messages(self.c.cfg.run_id, call.site, call.fragment, served):
+            for head, payload in served_messages(self.c.cfg.run_id, call.site, call.share.fragment, served):
                 if keys is not None:  # sealing a chunk is a pass over it: not on the event loop
                     message = await asyncio.to_thread(_sealed, keys.down, head, payload)
                 else:

@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import grpc
 
-from geodiloco.exchange import ChunkSink, PulledPart, PushPart, strided
+from geodiloco.exchange import ChunkSink, PulledPart, PullShare, PushPart, RoundReport, strided
 from geodiloco.security.tls import TlsFiles
 from geodiloco.site.edge.client import Heartbeater, OuterSyncClient
 from geodiloco.site.link import Joined, Late, LinkError, PushAgain, Resync, push_streams
@@ -129,29 +129,25 @@ class GrpcLink:
 
     def pull(
         self,
-        fragment: int,
-        round_: int,
+        share: PullShare,
         *,
-        full_state: bool,
-        part: int,
-        parts: int,
         timeout_s: float,
         on_chunk: ChunkSink | None = None,
         keep_payloads: bool = True,
     ) -> PulledPart:
-        """Puller ``part`` of ``parts``: on each of its streams ``k``, sub-share
+        """Puller ``share.part`` of ``share.parts``: on each of its streams ``k``, sub-share
         ``part * streams + k`` of ``parts * streams``, merged; pulled again where a commit fell
         between the streams (a full state they do not agree on)."""
         n = self.streams
 
         def one(k: int) -> Callable[[], PulledPart]:
             return lambda: self.clients[k].pull(
-                round_,
-                full_state=full_state,
+                share.round,
+                full_state=share.full_state,
                 timeout_s=timeout_s,
-                part=part * n + k,
-                parts=parts * n,
-                fragment=fragment,
+                part=share.part * n + k,
+                parts=share.parts * n,
+                fragment=share.fragment,
                 on_chunk=on_chunk,
                 keep_payloads=keep_payloads,
             )
@@ -162,20 +158,18 @@ class GrpcLink:
                 return merged(pulled)
         raise LinkError(f"the state kept changing while {n} streams pulled it")
 
-    def report(
-        self,
-        fragment: int,
-        round_: int,
-        state_hash: str,
-        eval_loss_sum: float,
-        eval_count: int,
-        train_loss: float,
-        tokens: int,
-        compute_seconds: float,
-    ) -> bool:
+    def report(self, report: RoundReport) -> bool:
+        r = report
         response = _call(
             lambda: self.client.report(
-                round_, state_hash, eval_loss_sum, eval_count, train_loss, tokens, compute_seconds, fragment
+                r.round,
+                r.state_hash,
+                r.eval_loss_sum,
+                r.eval_count,
+                r.train_loss,
+                r.tokens,
+                r.compute_seconds,
+                r.fragment,
             )
         )
         return bool(response.hash_ok)

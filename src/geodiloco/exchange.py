@@ -198,3 +198,30 @@ class Served:
     finished: bool
     mine: list[tuple[int, EncodedChunk]]  # (seq, chunk); one empty chunk when none is this puller's
     data: list[DataRange]  # what to train on in ``next_round``; only on a stream that settles data
+
+
+@dataclass(frozen=True, slots=True)
+class PullShare:
+    """What a pull asks for: puller ``part`` of ``parts``' share of the update closing a fragment's
+    ``round`` (waited for until it commits), or of the fragment's current full state."""
+
+    fragment: int
+    round: int
+    full_state: bool
+    part: int = 0
+    parts: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RoundReport:
+    """A site's word after a fragment round: the hash of its copy of the global values, and the
+    metrics of its training (evaluation only on the fragment that settles the data)."""
+
+    fragment: int
+    round: int
+    state_hash: str
+    eval_loss_sum: float
+    eval_count: int
+    train_loss: float
+    tokens: int
+    compute_seconds: float

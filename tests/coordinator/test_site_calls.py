@@ -20,6 +20,7 @@ from geodiloco.coordinator.refusals import (
 from geodiloco.coordinator.round_metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.coordinator.site_calls import JoinCall, PullCall, ReportCall, SiteCalls
+from geodiloco.exchange import PullShare, RoundReport
 from geodiloco.security.joinproof import join_proof
 from geodiloco.security.sealing import Keyring
 from geodiloco.security.secrets import site_secret
@@ -88,8 +89,6 @@ async def test_a_report_out_of_bounds_is_refused(change: dict[str, object], word
     s, c = calls()
     await s.join(JoinCall("site-a", "", 1))
     fields: dict[str, object] = {
-        "site": "site-a",
-        "run_id": "",
         "fragment": 0,
         "round": 0,
         "state_hash": c.hashes[0],
@@ -101,17 +100,17 @@ async def test_a_report_out_of_bounds_is_refused(change: dict[str, object], word
         **change,
     }
     with pytest.raises(InvalidArgument, match=words):
-        await s.report(ReportCall(**fields))  # type: ignore[arg-type]
+        await s.report(ReportCall("site-a", "", RoundReport(**fields)))  # type: ignore[arg-type]
 
 
 async def test_a_pull_of_the_state_serves_this_pullers_share_and_names_its_data() -> None:
     s, c = calls(compression__chunk_elements=300)
     await s.join(JoinCall("site-a", "", 1))
-    served = await s.pull(PullCall("site-a", "", 0, 0, full_state=True, part=1, parts=2))
+    served = await s.pull(PullCall("site-a", "", PullShare(0, 0, full_state=True, part=1, parts=2)))
     assert served.full_state and served.round == served.next_round == 0
     assert served.total_chunks == 4 and [seq for seq, _ in served.mine] == [1, 3]
     assert served.state_hash == c.hashes[0] and served.data == c.data_for("site-a")
-    many = await s.pull(PullCall("site-a", "", 0, 0, full_state=True, part=7, parts=8))
+    many = await s.pull(PullCall("site-a", "", PullShare(0, 0, full_state=True, part=7, parts=8)))
     assert [(seq, chunk.numel) for seq, chunk in many.mine] == [(4, 0)]  # the stream's facts only
     with pytest.raises(InvalidArgument, match="part 2 of 2 is out of range"):
-        await s.pull(PullCall("site-a", "", 0, 0, full_state=True, part=2, parts=2))
+        await s.pull(PullCall("site-a", "", PullShare(0, 0, full_state=True, part=2, parts=2)))

@@ -32,7 +32,16 @@ from geodiloco.coordinator.refusals import (
 from geodiloco.coordinator.round_metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.coordinator.site_calls import JoinCall, PullCall, ReportCall, SiteCalls
-from geodiloco.exchange import ChunkSink, JoinInfo, PulledPart, PushPart, wire_chunk, without_payload
+from geodiloco.exchange import (
+    ChunkSink,
+    JoinInfo,
+    PulledPart,
+    PullShare,
+    PushPart,
+    RoundReport,
+    wire_chunk,
+    without_payload,
+)
 from geodiloco.fragment_plan import FragmentPlan
 from geodiloco.site.link import Joined, Late, LinkError, PushAgain, Resync
 from geodiloco.workload.data import DataRange
@@ -222,12 +231,8 @@ class LocalLink:
 
     def pull(
         self,
-        fragment: int,
-        round_: int,
+        share: PullShare,
         *,
-        full_state: bool,
-        part: int,
-        parts: int,
         timeout_s: float,
         on_chunk: ChunkSink | None = None,
         keep_payloads: bool = True,
@@ -237,7 +242,7 @@ class LocalLink:
         returned share only so that both links return the same."""
         if not keep_payloads and on_chunk is None:
             raise ValueError("keep_payloads=False needs an on_chunk sink: nothing would read the payloads")
-        call = PullCall(self.site, self.run_id, fragment, round_, full_state, part, parts)
+        call = PullCall(self.site, self.run_id, share)
 
         async def pull() -> PulledPart:
             served = await self.coordinator.calls.pull(call)
@@ -263,30 +268,8 @@ class LocalLink:
             pulled = dataclasses.replace(pulled, chunks=kept)
         return pulled
 
-    def report(
-        self,
-        fragment: int,
-        round_: int,
-        state_hash: str,
-        eval_loss_sum: float,
-        eval_count: int,
-        train_loss: float,
-        tokens: int,
-        compute_seconds: float,
-    ) -> bool:
-        call = ReportCall(
-            self.site,
-            self.run_id,
-            fragment,
-            round_,
-            state_hash,
-            eval_loss_sum,
-            eval_count,
-            train_loss,
-            tokens,
-            compute_seconds,
-        )
-        ok, _ = self._run(self.coordinator.calls.report(call))
+    def report(self, report: RoundReport) -> bool:
+        ok, _ = self._run(self.coordinator.calls.report(ReportCall(self.site, self.run_id, report)))
         return ok
 
     def leave(self, reason: str) -> None:
