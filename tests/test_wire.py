@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from geodiloco.compression import EncodedChunk
-from geodiloco.exchange import FragmentState, JoinInfo, PushPart, Served, WireChunk
+from geodiloco.exchange import FragmentState, JoinInfo, PushPart, RoundReport, Served, WireChunk
 from geodiloco.segment import Segment
 from geodiloco.v1 import outer_sync_pb2
 from geodiloco.wire import (
@@ -15,6 +15,8 @@ from geodiloco.wire import (
     push_messages,
     ranges_from_proto,
     ranges_to_proto,
+    report_from_proto,
+    report_to_proto,
     served_messages,
 )
 from geodiloco.workload.data import DataRange
@@ -107,3 +109,19 @@ def test_a_served_pull_is_a_stream_whose_last_message_says_what_to_train_on_next
         h.kind == outer_sync_pb2.PullRequest.UPDATE and not h.data
         for h, _ in served_messages("r", "s", 0, update)
     )
+
+
+def test_a_round_report_round_trips_through_its_bytes() -> None:
+    report = RoundReport(
+        fragment=1,
+        round=9,
+        state_hash="ef" * 32,
+        eval_loss_sum=12.5,
+        eval_count=7,
+        train_loss=1.75,
+        tokens=4096,
+        compute_seconds=3.25,
+    )
+    message = report_to_proto("run", "site-c", report)
+    assert (message.run_id, message.site) == ("run", "site-c")
+    assert report_from_proto(outer_sync_pb2.ReportRequest.FromString(message.SerializeToString())) == report

@@ -38,14 +38,14 @@ from geodiloco.coordinator.refusals import (
 from geodiloco.coordinator.round_metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController, SiteRecord
 from geodiloco.coordinator.site_calls import JoinCall, PullCall, ReportCall, SiteCalls
-from geodiloco.exchange import PullShare, RoundReport
+from geodiloco.exchange import PullShare
 from geodiloco.security.chunks import sealed_update_payload
 from geodiloco.security.policy import Denied, ServerSecurity, is_admin, peer_identity, require_site
 from geodiloco.security.ratelimit import RateLimiter
 from geodiloco.security.raw_requests import encode_with, wire_size
 from geodiloco.security.sealing import Sealer
 from geodiloco.v1 import admin_pb2, admin_pb2_grpc, outer_sync_pb2, outer_sync_pb2_grpc
-from geodiloco.wire import PUSHER_KEY, join_info_to_proto, served_messages
+from geodiloco.wire import PUSHER_KEY, join_info_to_proto, report_from_proto, served_messages
 
 log = logging.getLogger("geodiloco.coordinator")
 
@@ -175,18 +175,7 @@ class OuterSyncServicer(outer_sync_pb2_grpc.OuterSyncServicer):
         self, request: outer_sync_pb2.ReportRequest, context: grpc.aio.ServicerContext
     ) -> outer_sync_pb2.ReportResponse:
         async def handle() -> outer_sync_pb2.ReportResponse:
-            r = request
-            report = RoundReport(
-                r.fragment,
-                r.round,
-                r.state_hash,
-                r.eval_loss_sum,
-                r.eval_count,
-                r.train_loss,
-                r.tokens,
-                r.compute_seconds,
-            )
-            call = ReportCall(r.site, r.run_id, report)
+            call = ReportCall(request.site, request.run_id, report_from_proto(request))
             ok, expected = await self.calls.report(call)
             return outer_sync_pb2.ReportResponse(hash_ok=ok, expected_hash=expected)
 

@@ -35,6 +35,7 @@ from geodiloco.exchange import (
     JoinInfo,
     PulledPart,
     PushPart,
+    RoundReport,
     StreamFacts,
     WireChunk,
     without_payload,
@@ -46,7 +47,7 @@ from geodiloco.security.raw_requests import decode_cut, encode_with
 from geodiloco.security.sealing import SiteKeys
 from geodiloco.security.tls import TlsFiles, open_channel
 from geodiloco.v1 import outer_sync_pb2, outer_sync_pb2_grpc
-from geodiloco.wire import PUSHER_KEY, join_info_from_proto, push_messages, ranges_from_proto
+from geodiloco.wire import PUSHER_KEY, join_info_from_proto, push_messages, ranges_from_proto, report_to_proto
 from geodiloco.workload.data import DataRange
 
 log = logging.getLogger("geodiloco.site")
@@ -288,21 +289,15 @@ class OuterSyncClient:
         compute_seconds: float,
         fragment: int = 0,
     ) -> outer_sync_pb2.ReportResponse:
-        return self._unary(
-            self.stub.Report,
-            outer_sync_pb2.ReportRequest(
-                run_id=self.run_id,
-                site=self.site,
-                round=round_,
-                state_hash=digest,
-                eval_loss_sum=eval_loss_sum,
-                eval_count=eval_count,
-                train_loss=train_loss,
-                tokens=tokens,
-                compute_seconds=compute_seconds,
-                fragment=fragment,
-            ),
+        """:meth:`send_report` spelled out."""
+        report = RoundReport(
+            fragment, round_, digest, eval_loss_sum, eval_count, train_loss, tokens, compute_seconds
         )
+        return self.send_report(report)
+
+    def send_report(self, report: RoundReport) -> outer_sync_pb2.ReportResponse:
+        """The site's hash of a fragment after a round, and its metrics."""
+        return self._unary(self.stub.Report, report_to_proto(self.run_id, self.site, report))
 
     def leave(self, reason: str = "") -> None:
         self._unary(

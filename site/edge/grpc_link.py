@@ -159,20 +159,7 @@ class GrpcLink:
         raise LinkError(f"the state kept changing while {n} streams pulled it")
 
     def report(self, report: RoundReport) -> bool:
-        r = report
-        response = _call(
-            lambda: self.client.report(
-                r.round,
-                r.state_hash,
-                r.eval_loss_sum,
-                r.eval_count,
-                r.train_loss,
-                r.tokens,
-                r.compute_seconds,
-                r.fragment,
-            )
-        )
-        return bool(response.hash_ok)
+        return bool(_call(lambda: self.client.send_report(report)).hash_ok)
 
     def leave(self, reason: str) -> None:
         if self._heartbeat is not None:  # first: a beat refused after Leave would rejoin the site

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from geodiloco.exchange import FragmentState, JoinInfo, PushPart, Served, wire_chunk
+from geodiloco.exchange import FragmentState, JoinInfo, PushPart, RoundReport, Served, wire_chunk
 from geodiloco.v1 import outer_sync_pb2
 from geodiloco.workload.data import DataRange
 
@@ -126,3 +126,32 @@ def served_messages(
             data=ranges_to_proto(served.data) if i == last else [],
         )
         yield head, chunk.payload
+
+
+def report_to_proto(run_id: str, site: str, report: RoundReport) -> outer_sync_pb2.ReportRequest:
+    r = report
+    return outer_sync_pb2.ReportRequest(
+        run_id=run_id,
+        site=site,
+        fragment=r.fragment,
+        round=r.round,
+        state_hash=r.state_hash,
+        eval_loss_sum=r.eval_loss_sum,
+        eval_count=r.eval_count,
+        train_loss=r.train_loss,
+        tokens=r.tokens,
+        compute_seconds=r.compute_seconds,
+    )
+
+
+def report_from_proto(r: outer_sync_pb2.ReportRequest) -> RoundReport:
+    return RoundReport(
+        r.fragment,
+        r.round,
+        r.state_hash,
+        r.eval_loss_sum,
+        r.eval_count,
+        r.train_loss,
+        r.tokens,
+        r.compute_seconds,
+    )
