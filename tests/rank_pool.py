@@ -46,29 +46,32 @@ def _serve(index: int, tasks: Any, out: Any, errors: Any) -> None:
 
 
 class RankPool:
-    """Up to ``size`` ranks; :meth:`run` gives each rank's arguments to one process."""
+    """Up to ``size`` ranks (spawned as needed); :meth:`run` gives each rank's arguments to one
+    process."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
 
-    def _start(self) -> None:
-        self.out, self.errors = self._ctx.Queue(), self._ctx.Queue()
-        self._tasks = [self._ctx.Queue() for _ in range(self.size)]
-        self._procs = [
-            self._ctx.Process(target=_serve, args=(i, self._tasks[i], self.out, self.errors), daemon=True)
-            for i in range(self.size)
-        ]
-        for p in self._procs:
-            p.start()
+    def _grow(self, ranks: int) -> None:
+        """Spawn processes until there are ``ranks`` (a pool grows to the largest group asked)."""
+        if not self._procs:
+            self.out, self.errors = self._ctx.Queue(), self._ctx.Queue()
+            self._tasks: list[Any] = []
+        while len(self._procs) < ranks:
+            i = len(self._procs)
+            self._tasks.append(self._ctx.Queue())
+            args = (i, self._tasks[i], self.out, self.errors)
+            proc = self._ctx.Process(target=_serve, args=args, daemon=True)
+            proc.start()
+            self._procs.append(proc)
 
     def run(self, fn: Callable[..., None], ranks: Sequence[tuple[Any, ...]], timeout: float) -> list[Any]:
         """``fn(*ranks[r], out)`` on process ``r`` for every rank; what they put on ``out``
         (one result each, in the order they came)."""
         assert len(ranks) <= self.size, f"{len(ranks)} ranks, a pool of {self.size}"
-        if not self._procs:
-            self._start()
+        self._grow(len(ranks))
         for index, args in enumerate(ranks):
             self._tasks[index].put((fn, tuple(args)))
         results = []
