@@ -35,14 +35,15 @@ def _serve(index: int, tasks: Any, out: Any, errors: Any) -> None:
             return
         fn, args = task
         torch.seed()  # a fresh process's generator: seeded from the OS, not from the last task
-        environ = dict(os.environ)
+        environ, threads = dict(os.environ), torch.get_num_threads()
         try:
             fn(*args, out)
         except BaseException:
             errors.put((index, traceback.format_exc()))
-        finally:
-            os.environ.clear()  # the task set MASTER_ADDR/PORT for its own group
+        finally:  # what a task set for its own group (MASTER_PORT, RANK, threads) goes with it
+            os.environ.clear()
             os.environ.update(environ)
+            torch.set_num_threads(threads)
 
 
 class RankPool:

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from rank_pool import RankPool
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -29,6 +28,7 @@ from geodiloco.workload.model import build_model
 from geodiloco.workload.moe import build_moe, hold_unreached
 from geodiloco.workload.steps import evaluate_batches
 from helpers import free_port
+from rank_pool import RankPool
 
 MODEL = ModelConfig(n_layer=1, n_head=2, d_model=16, seq_len=8, experts=4, top_k=2, aux_loss_weight=0.1)
 

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from rank_pool import RankPool
 
 from geodiloco.params import canonical_parameters, flatten_parameters, state_hash
 from geodiloco.site.layout import LayoutError, ParallelConfig, build_mesh, data_parallel_rank, parallelize
@@ -24,6 +23,7 @@ from geodiloco.workload import GPTConfig, build_model
 from geodiloco.workload.loss import cross_entropy
 from geodiloco.workload.steps import evaluate_batches
 from helpers import free_port
+from rank_pool import RankPool
 
 MODEL = GPTConfig(n_layer=3, n_head=2, d_model=16, seq_len=8)
 

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from rank_pool import RankPool
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -23,6 +22,7 @@ from geodiloco.site.layout import ParallelConfig, build_mesh, parallelize
 from geodiloco.site.outer_sync import OuterSync
 from geodiloco.workload import build_model
 from helpers import CoordinatorThread, free_port, tiny_config
+from rank_pool import RankPool
 
 pytestmark = pytest.mark.integration
 

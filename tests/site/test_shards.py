@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from rank_pool import RankPool
 
 from geodiloco.compression import Place, encode_chunks, parse_pipeline
 from geodiloco.params import Checksum, flatten_parameters, state_hash
@@ -23,6 +22,7 @@ from geodiloco.site.layout import ParallelConfig, build_mesh, parallelize
 from geodiloco.site.shards import ShardMap, subview
 from geodiloco.workload import GPTConfig, build_model
 from helpers import free_port
+from rank_pool import RankPool
 
 MODEL = GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8)
 

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from rank_pool import RankPool
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -22,6 +21,7 @@ from geodiloco.workload.hf import tiny_llama
 from geodiloco.workload.model import GPTConfig
 from geodiloco.workload.model import build_model as build_gpt
 from helpers import free_port
+from rank_pool import RankPool
 
 
 def test_blocks_are_the_reference_blocks_or_a_transformers_models_decoder_layers() -> None:
