@@ -31,7 +31,11 @@ from helpers import (
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-ROUNDS = 40  # enough that the run is still going after the partition has healed
+# Enough that the run is still going after the partition (round 4, the lease and 2 s) has healed
+# and when the site killed in round 11 restarts (on a loaded machine it may find the run over,
+# join and leave: assert_no_round_lost allows it). Measured with 40 rounds: from round 15 on, the
+# chaos run's eval loss stayed within 2% of the calm run's (the bound below allows 10%).
+ROUNDS = 20
 LEASE_S = 8.0
 
 
