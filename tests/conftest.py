@@ -16,7 +16,9 @@ the long runs start at once and the short files even out the end, where xdist's 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +29,17 @@ def _tier(item: pytest.Item) -> int:
     if item.get_closest_marker("slow"):
         return 0
     return 1 if item.get_closest_marker("integration") else 2
+
+
+@pytest.fixture(scope="session")
+def rank_pool() -> Iterator[Any]:
+    """Gloo rank processes spawned once per test worker, reused by the tests that run a
+    function on every rank of a small group (tests/rank_pool.py)."""
+    from rank_pool import RankPool
+
+    pool = RankPool(4)
+    yield pool
+    pool.close()
 
 
 @pytest.hookimpl(trylast=True)

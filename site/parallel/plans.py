@@ -22,7 +22,7 @@ from typing import NoReturn
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from geodiloco.site.parallel.layout_error import LayoutError
+from geodiloco.site.parallel.layout_spec import LayoutError
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")

@@ -23,9 +23,6 @@ import tempfile
 from pathlib import Path
 from types import FrameType
 
-import torch
-import torch.distributed as dist
-
 log = logging.getLogger("geodiloco.site")
 
 STOP_FILE_ENV = "GEODILOCO_STOP_FILE"
@@ -79,6 +76,10 @@ class GracefulStop:
 
     def requested(self) -> bool:
         """True on every rank once any rank was asked (a collective: call it on all ranks)."""
+        # torch is imported here, not above: the launcher (StopRequest) never needs it
+        import torch
+        import torch.distributed as dist
+
         flag = torch.tensor([1 if self._asked() else 0], dtype=torch.int32)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -1,17 +1,44 @@
-"""The synchronous baseline counts the bytes it really all-reduces."""
+"""The synchronous baseline counts the bytes it really all-reduces.
+
+Its ranks run in pooled gloo processes (tests/rank_pool.py), each given the environment torchrun
+gives a rank; the demo's test runs it under torchrun itself (tests/integration/test_demo.py)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from geodiloco.app.baseline import cross_site_bytes
 from geodiloco.coordinator.edge.server import initial_parameters
-from geodiloco.site.daemon.launcher import worker_command, worker_env
 from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.servers import free_port
+from rank_pool import RankPool
+
+
+def _baseline_rank(rank: int, world: int, port: int, argv: list[str], out: Any) -> None:
+    """One rank of `geodiloco.app.baseline`, in the environment torchrun would give it."""
+    from geodiloco import baseline
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    baseline.main(argv)
+    out.put({"rank": rank})
+
+
+def run_baseline(pool: RankPool, world: int, argv: list[str]) -> None:
+    port = free_port()
+    pool.run(_baseline_rank, [(r, world, port, argv) for r in range(world)], timeout=180)
 
 
 def test_ring_over_sites_formula() -> None:
@@ -20,17 +47,13 @@ def test_ring_over_sites_formula() -> None:
 
 
 @pytest.mark.integration
-def test_baseline_allreduces_every_gradient_every_step(tmp_path: Path) -> None:
+def test_baseline_allreduces_every_gradient_every_step(rank_pool: RankPool, tmp_path: Path) -> None:
     cfg = tiny_config(rounds=2, sites=["a", "b"])
     (tmp_path / "run.json").write_text(cfg.to_json())
     out = tmp_path / "baseline.json"
-    cmd = worker_command(
-        "geodiloco.app.baseline",
-        4,
-        ["--config", str(tmp_path / "run.json"), "--ranks-per-site", "2", "--out", str(out)],
+    run_baseline(
+        rank_pool, 4, ["--config", str(tmp_path / "run.json"), "--ranks-per-site", "2", "--out", str(out)]
     )
-    run = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=180)
-    assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(out.read_text())
     steps = cfg.rounds * cfg.inner.steps_per_round
     fp32_grads = initial_parameters(cfg).numel() * 4
@@ -41,19 +64,15 @@ def test_baseline_allreduces_every_gradient_every_step(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_baseline_trains_the_runs_mixture_of_experts(tmp_path: Path) -> None:
+def test_baseline_trains_the_runs_mixture_of_experts(rank_pool: RankPool, tmp_path: Path) -> None:
     """model.experts reaches the baseline: it all-reduces the mixture of experts' gradients (the
     dense model's would be another size) and trains it."""
     cfg = tiny_config(rounds=2, sites=["a", "b"], model__experts=4, model__top_k=2)
     (tmp_path / "run.json").write_text(cfg.to_json())
     out = tmp_path / "baseline.json"
-    cmd = worker_command(
-        "geodiloco.app.baseline",
-        2,
-        ["--config", str(tmp_path / "run.json"), "--ranks-per-site", "1", "--out", str(out)],
+    run_baseline(
+        rank_pool, 2, ["--config", str(tmp_path / "run.json"), "--ranks-per-site", "1", "--out", str(out)]
     )
-    run = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=180)
-    assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(out.read_text())
     steps = cfg.rounds * cfg.inner.steps_per_round
     moe_params = initial_parameters(cfg).numel()

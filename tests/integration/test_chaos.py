@@ -26,8 +26,15 @@ from geodiloco.testing.servers import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-ROUNDS = 40  # enough that the run is still going after the partition has healed
+# Enough that the run is still going after the partition (round 4, the lease and 2 s) has healed
+# and when the site killed in round 11 restarts (on a loaded machine it may find the run over,
+# join and leave: assert_no_round_lost allows it). Measured with 40 rounds: from round 15 on, the
+# chaos run's eval loss stayed within 2% of the calm run's (the bound below allows 10%).
+ROUNDS = 20
 LEASE_S = 8.0
+# site-1 runs 2 ranks, for the kill of its rank 1 mid-training (the site fails as a whole); the
+# partition, the delay and the coordinator kill mid-push need no more than one rank at their sites
+RANKS = {"site-1": 2, "site-2": 1, "site-3": 1}
 
 
 def chaos_config() -> RunConfig:
@@ -66,10 +73,12 @@ def run(
     faults: list[Fault],
     monkeypatch: pytest.MonkeyPatch,
     cfg: RunConfig | None = None,
-    nproc: int = 2,
+    nproc: dict[str, int] | None = None,
 ) -> tuple[list[dict], Any, dict[str, int]]:
     """Run ``cfg`` with every process restarted when it dies (a supervisor); returns the round
-    log, the final status and how often each process was restarted."""
+    log, the final status and how often each process was restarted. ``nproc``: ranks per site
+    (default :data:`RANKS`)."""
+    ranks = nproc or RANKS
     cfg = cfg or chaos_config()
     config, run_dir, port = tmp_path / "run.json", tmp_path / "coord", free_port()
     config.write_text(cfg.to_json())
@@ -96,7 +105,7 @@ def run(
             "--coordinator",
             proxies[name].address,
             "--nproc",
-            str(nproc),
+            str(ranks[name]),
             "--insecure",
         ]
         return spawn_geodiloco(args, tmp_path / f"{name}.log")
@@ -185,7 +194,7 @@ def test_sites_retry_through_a_coordinator_that_dies_by_an_exception(
         Fault(action="raise", round=1, at="commit", target="coordinator"),
         Fault(action="raise", round=3, at="commit", target="coordinator"),
     ]
-    log, status, restarts = run(tmp_path, faults, monkeypatch, cfg, nproc=1)
+    log, status, restarts = run(tmp_path, faults, monkeypatch, cfg, nproc=dict.fromkeys(cfg.sites, 1))
     assert sorted(fired(tmp_path / "plan.json")) == [0, 1]
     died = re.findall(
         r"^fault plan: raise at commit of round (\d+)$", (tmp_path / "coordinator.log").read_text(), re.M

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -24,6 +23,7 @@ from geodiloco.site.parallel.layout import ParallelConfig, build_mesh, paralleli
 from geodiloco.testing.configs import tiny_config
 from geodiloco.testing.servers import CoordinatorThread, free_port
 from geodiloco.workload import build_model
+from rank_pool import RankPool
 
 pytestmark = pytest.mark.integration
 
@@ -96,19 +96,11 @@ def _rank_main(rank: int, target: str, port: int, out: Any) -> None:
         dist.destroy_process_group()
 
 
-def test_fsdp_outer_sync_stays_within_the_shard() -> None:
+def test_fsdp_outer_sync_stays_within_the_shard(rank_pool: RankPool) -> None:
     cfg = tiny_config(rounds=1, sites=["site-a"], model__d_model=32, compression__chunk_elements=CHUNK)
     with CoordinatorThread(cfg) as coordinator:
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
         port = free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, coordinator.target, port, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        results = [out.get(timeout=300) for _ in procs]
-        for p in procs:
-            p.join(60)
-            assert p.exitcode == 0
+        results = rank_pool.run(_rank_main, [(r, coordinator.target, port) for r in range(2)], timeout=300)
         expected = coordinator.controller.hashes[1]
     for r in results:
         print(r)

@@ -1,7 +1,8 @@
 """Where a rank's local pieces lie in the canonical vector, and who owns what, for every layout.
 
-The layouts run for real: two gloo processes apply DDP-style replication, FSDP2 or tensor
-parallelism to the reference model and report what their ShardMap says.
+The layouts run for real: two (or four) gloo processes (pooled across tests: tests/rank_pool.py)
+apply DDP-style replication, FSDP2 or tensor parallelism to the reference model and report what
+their ShardMap says.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from geodiloco.compression import Place, encode_chunks, parse_pipeline
 from geodiloco.params import Checksum, flatten_parameters, state_hash
@@ -22,6 +22,7 @@ from geodiloco.site.parallel.layout import ParallelConfig, build_mesh, paralleli
 from geodiloco.site.shards import ShardMap, subview
 from geodiloco.testing.servers import free_port
 from geodiloco.workload import GPTConfig, build_model
+from rank_pool import RankPool
 
 MODEL = GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8)
 
@@ -139,19 +140,12 @@ def _rank_main(rank: int, world: int, port: int, layout: str, precision: str, ou
         ("fsdp+tp", "bf16", 4),  # FSDP2 over TP: a strided shard of the TP-split rows
     ],
 )
-def test_each_layout_owns_every_element_exactly_once(layout: str, precision: str, world: int) -> None:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+def test_each_layout_owns_every_element_exactly_once(
+    rank_pool: RankPool, layout: str, precision: str, world: int
+) -> None:
     port = free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, layout, precision, out)) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results = sorted((out.get(timeout=120) for _ in procs), key=lambda r: r["rank"])
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    ranks = [(r, world, port, layout, precision) for r in range(world)]
+    results = sorted(rank_pool.run(_rank_main, ranks, timeout=120), key=lambda r: r["rank"])
     n = results[0]["num_params"]
     owned = [i for r in results for i in r["owned"]]
     assert sorted(owned) == list(range(n))  # disjoint, and together everything

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -22,6 +21,7 @@ from geodiloco.testing.servers import free_port
 from geodiloco.workload.hf import tiny_llama
 from geodiloco.workload.model import GPTConfig
 from geodiloco.workload.model import build_model as build_gpt
+from rank_pool import RankPool
 
 
 def test_blocks_are_the_reference_blocks_or_a_transformers_models_decoder_layers() -> None:
@@ -87,18 +87,11 @@ def _rank_main(rank: int, world: int, port: int, layout: str, out: Any) -> None:
 @pytest.mark.integration
 @pytest.mark.parametrize(("layout", "world"), [("tp", 2), ("fsdp", 2)])
 def test_a_llama_split_by_its_plan_gives_the_same_logits_and_owns_each_element_once(
-    layout: str, world: int
+    rank_pool: RankPool, layout: str, world: int
 ) -> None:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, layout, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = sorted((out.get(timeout=180) for _ in procs), key=lambda r: r["rank"])
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    ranks = [(r, world, port, layout) for r in range(world)]
+    results = sorted(rank_pool.run(_rank_main, ranks, timeout=180), key=lambda r: r["rank"])
     assert all(r["close"] and r["grad"] for r in results)
     owned = sorted(i for r in results for i in r["owned"])
     assert owned == list(range(results[0]["num_params"]))  # disjoint, and together everything

@@ -7,6 +7,7 @@ rank ``g % ranks_per_site`` of site ``g // ranks_per_site``.
 """
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -70,6 +71,7 @@ def run(cfg: RunConfig, ranks_per_site: int, out: Path | None) -> None:
     optimizer = build_optimizer(model, cfg)
     loss_fn = build_loss(cfg)
     data = build_data(cfg)
+    gc.freeze()  # built for the whole run: out of the collector's sight (as a site's rank does)
     # The same data, round by round, as a fault-free DiLoCo run: the ledger with every site live.
     ledger = DataLedger.create(data.shard_sizes, cfg.sites)
     me = cfg.sites[site]

@@ -419,7 +419,7 @@ def _site_run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     from geodiloco.site.daemon.launcher import Nodes, NodesError
-    from geodiloco.site.parallel.layout import LayoutError, ParallelConfig
+    from geodiloco.site.parallel.layout_spec import LayoutError, ParallelConfig  # torch-free: the launcher
 
     try:
         nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, rdzv_id=args.name)

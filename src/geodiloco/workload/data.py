@@ -42,8 +42,14 @@ def _refuse(message: str) -> NoReturn:
 
 def stdlib_sources() -> list[Path]:
     """The interpreter's standard-library ``.py`` files, excluding installed packages."""
+    # os.walk, pruned at site-packages: Path.rglob walked the installed packages too, then
+    # dropped them (0.5 s in every process that builds the default data, each rank included)
     root = Path(sysconfig.get_paths()["stdlib"])
-    return [p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file()]
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "site-packages"]
+        found += [Path(folder, f) for f in files if f.endswith(".py")]
+    return [p for p in found if "site-packages" not in p.parts and p.is_file()]
 
 
 def _candidates(paths: list[str]) -> list[tuple[str, int, Path]]:

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -29,6 +28,7 @@ from geodiloco.workload.loss import cross_entropy
 from geodiloco.workload.model import build_model
 from geodiloco.workload.moe import build_moe, hold_unreached
 from geodiloco.workload.steps import evaluate_batches
+from rank_pool import RankPool
 
 MODEL = ModelConfig(n_layer=1, n_head=2, d_model=16, seq_len=8, experts=4, top_k=2, aux_loss_weight=0.1)
 
@@ -123,25 +123,18 @@ def _initial_pieces(shards: ShardMap) -> list[torch.Tensor]:
     return targets
 
 
-def _run(layout: str, world: int, ckpt: Path) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+def _run(pool: RankPool, layout: str, world: int, ckpt: Path) -> list[dict[str, Any]]:
     port = free_port()
-    args = [(r, world, port, layout, str(ckpt), out) for r in range(world)]
-    procs = [ctx.Process(target=_rank_main, args=a) for a in args]
-    for p in procs:
-        p.start()
-    results = sorted((out.get(timeout=180) for _ in procs), key=lambda r: r["rank"])
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
-    return results
+    ranks = [(r, world, port, layout, str(ckpt)) for r in range(world)]
+    return sorted(pool.run(_rank_main, ranks, timeout=180), key=lambda r: r["rank"])
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize(("layout", "world"), [("ep", 2), ("dp_replicate=4,ep=2", 4)])
-def test_expert_parallel_matches_one_process_on_all_batches(tmp_path: Path, layout: str, world: int) -> None:
-    results = _run(layout, world, tmp_path / "ckpt")
+def test_expert_parallel_matches_one_process_on_all_batches(
+    rank_pool: RankPool, tmp_path: Path, layout: str, world: int
+) -> None:
+    results = _run(rank_pool, layout, world, tmp_path / "ckpt")
     ep = 2
     # one process, every rank's batch: the mean of the ranks' gradients, as DDP averages (each
     # backward carries its own forward's load-balancing loss, so they are taken one by one)

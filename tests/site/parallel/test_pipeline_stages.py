@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from geodiloco.params import canonical_parameters, flatten_parameters, state_hash
 from geodiloco.site.parallel.layout import (
@@ -30,6 +29,7 @@ from geodiloco.testing.servers import free_port
 from geodiloco.workload import GPTConfig, build_model
 from geodiloco.workload.loss import cross_entropy
 from geodiloco.workload.steps import evaluate_batches
+from rank_pool import RankPool
 
 MODEL = GPTConfig(n_layer=3, n_head=2, d_model=16, seq_len=8)
 
@@ -165,17 +165,12 @@ def _rank_main(rank: int, world: int, port: int, layout: str, out: Any) -> None:
 @pytest.mark.parametrize(
     ("layout", "world"), [("pp=2", 2), ("pp=2,dp_shard=2", 4), ("pp=2,dp_replicate=2", 4)]
 )
-def test_a_pipeline_step_gives_the_whole_models_gradients(layout: str, world: int) -> None:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+def test_a_pipeline_step_gives_the_whole_models_gradients(
+    rank_pool: RankPool, layout: str, world: int
+) -> None:
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, layout, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = sorted((out.get(timeout=180) for _ in procs), key=lambda r: r["rank"])
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    ranks = [(r, world, port, layout) for r in range(world)]
+    results = sorted(rank_pool.run(_rank_main, ranks, timeout=180), key=lambda r: r["rank"])
     n = results[0]["num_params"]
     assert sorted(i for r in results for i in r["owned"]) == list(range(n))  # each element once
     for r in results:

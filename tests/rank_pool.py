@@ -1,0 +1,121 @@
+"""Real gloo rank processes, started once per test worker and reused by the tests that run a
+function on every rank of a small process group (the layout, pipeline and expert tests).
+
+Spawning a rank costs seconds (a fresh interpreter imports torch, the test module and its
+helpers); the function a test runs on it costs a fraction of that. The pool spawns its
+processes on first use (``spawn``, as the tests did) and keeps them: each :meth:`RankPool.run`
+hands rank ``r`` of the task to process ``r``, which runs it in a process group of its own
+(the function initialises and destroys it, on a fresh port) and puts its result on the queue
+the function is given, as before. A task that raises on any rank, or does not answer in time,
+fails the test with that rank's traceback, and the pool is torn down (a rank may be left
+waiting in a collective) and spawned afresh for the next test. Every process must exit 0 when
+the pool closes, as each rank process had to.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+STOP = None
+
+
+def _serve(index: int, tasks: Any, out: Any, errors: Any) -> None:
+    """One pooled process: run each task given to it until told to stop."""
+    while True:
+        task = tasks.get()
+        if task is STOP:
+            return
+        fn, args = task
+        torch.seed()  # a fresh process's generator: seeded from the OS, not from the last task
+        environ, threads = dict(os.environ), torch.get_num_threads()
+        try:
+            fn(*args, out)
+        except BaseException:
+            errors.put((index, traceback.format_exc()))
+        finally:  # what a task set for its own group (MASTER_PORT, RANK, threads) goes with it
+            os.environ.clear()
+            os.environ.update(environ)
+            torch.set_num_threads(threads)
+
+
+class RankPool:
+    """Up to ``size`` ranks (spawned as needed); :meth:`run` gives each rank's arguments to one
+    process."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+
+    def _grow(self, ranks: int) -> None:
+        """Spawn processes until there are ``ranks`` (a pool grows to the largest group asked)."""
+        if not self._procs:
+            self.out, self.errors = self._ctx.Queue(), self._ctx.Queue()
+            self._tasks: list[Any] = []
+        while len(self._procs) < ranks:
+            i = len(self._procs)
+            self._tasks.append(self._ctx.Queue())
+            args = (i, self._tasks[i], self.out, self.errors)
+            proc = self._ctx.Process(target=_serve, args=args, daemon=True)
+            proc.start()
+            self._procs.append(proc)
+
+    def run(self, fn: Callable[..., None], ranks: Sequence[tuple[Any, ...]], timeout: float) -> list[Any]:
+        """``fn(*ranks[r], out)`` on process ``r`` for every rank; what they put on ``out``
+        (one result each, in the order they came)."""
+        assert len(ranks) <= self.size, f"{len(ranks)} ranks, a pool of {self.size}"
+        self._grow(len(ranks))
+        for index, args in enumerate(ranks):
+            self._tasks[index].put((fn, tuple(args)))
+        results = []
+        try:
+            for _ in ranks:
+                results.append(self._next(timeout))
+        except BaseException:
+            self._kill()
+            raise
+        return results
+
+    def _next(self, timeout: float) -> Any:
+        """The next result; a rank's error (or none in ``timeout`` seconds) fails the test."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                index, trace = self.errors.get_nowait()
+            except queue.Empty:
+                pass
+            else:
+                raise AssertionError(f"rank {index} failed:\n{trace}")
+            try:
+                return self.out.get(timeout=0.2)
+            except queue.Empty:
+                dead = [p.exitcode for p in self._procs if not p.is_alive()]
+                assert not dead, f"a pooled rank process died (exit codes {dead})"
+                assert time.monotonic() < deadline, f"no result from the ranks in {timeout:.0f}s"
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            p.kill()
+            p.join(10)
+        self._procs = []
+
+    def close(self) -> None:
+        """Stop every process; each must exit 0 (as each rank process of a test had to)."""
+        if not self._procs:
+            return
+        for tasks in self._tasks:
+            tasks.put(STOP)
+        codes = []
+        for p in self._procs:
+            p.join(60)
+            codes.append(p.exitcode)
+        self._procs = []
+        assert codes == [0] * len(codes), f"pooled rank processes exited with {codes}"
