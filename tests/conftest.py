@@ -34,8 +34,8 @@ def _tier(item: pytest.Item) -> int:
 @pytest.fixture(scope="session")
 def rank_pool() -> Iterator[Any]:
     """Gloo rank processes spawned once per test worker, reused by the tests that run a
-    function on every rank of a small group (tests/rank_pool.py)."""
-    from rank_pool import RankPool
+    function on every rank of a small group (geodiloco.testing.rank_pool)."""
+    from geodiloco.testing.rank_pool import RankPool
 
     pool = RankPool(4)
     yield pool

@@ -15,13 +15,13 @@ import pytest
 from geodiloco.app.baseline import cross_site_bytes
 from geodiloco.coordinator.edge.server import initial_parameters
 from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.rank_pool import RankPool
 from geodiloco.testing.servers import free_port
-from rank_pool import RankPool
 
 
 def _baseline_rank(rank: int, world: int, port: int, argv: list[str], out: Any) -> None:
     """One rank of `geodiloco.app.baseline`, in the environment torchrun would give it."""
-    from geodiloco import baseline
+    from geodiloco.app import baseline
 
     os.environ.update(
         RANK=str(rank),

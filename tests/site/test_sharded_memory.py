@@ -21,9 +21,9 @@ from geodiloco.params import HASH_BLOCK
 from geodiloco.site import connect
 from geodiloco.site.parallel.layout import ParallelConfig, build_mesh, parallelize
 from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.rank_pool import RankPool
 from geodiloco.testing.servers import CoordinatorThread, free_port
 from geodiloco.workload import build_model
-from rank_pool import RankPool
 
 pytestmark = pytest.mark.integration
 

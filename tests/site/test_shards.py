@@ -20,9 +20,9 @@ from geodiloco.params import Checksum, flatten_parameters, state_hash
 from geodiloco.segment import Segment
 from geodiloco.site.parallel.layout import ParallelConfig, build_mesh, parallelize
 from geodiloco.site.shards import ShardMap, subview
+from geodiloco.testing.rank_pool import RankPool
 from geodiloco.testing.servers import free_port
 from geodiloco.workload import GPTConfig, build_model
-from rank_pool import RankPool
 
 MODEL = GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8)
 

@@ -17,11 +17,11 @@ from geodiloco.params import flatten_parameters
 from geodiloco.site.parallel import plans
 from geodiloco.site.parallel.layout import LayoutError, ParallelConfig, build_mesh, parallelize
 from geodiloco.site.shards import ShardMap
+from geodiloco.testing.rank_pool import RankPool
 from geodiloco.testing.servers import free_port
 from geodiloco.workload.hf import tiny_llama
 from geodiloco.workload.model import GPTConfig
 from geodiloco.workload.model import build_model as build_gpt
-from rank_pool import RankPool
 
 
 def test_blocks_are_the_reference_blocks_or_a_transformers_models_decoder_layers() -> None:

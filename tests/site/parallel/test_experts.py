@@ -23,12 +23,12 @@ from geodiloco.params import flatten_parameters
 from geodiloco.site.parallel.experts import _source_to_expert_order, apply_expert_parallel
 from geodiloco.site.parallel.layout import LayoutError, ParallelConfig, build_mesh, parallelize
 from geodiloco.site.shards import ShardMap
+from geodiloco.testing.rank_pool import RankPool
 from geodiloco.testing.servers import free_port
 from geodiloco.workload.loss import cross_entropy
 from geodiloco.workload.model import build_model
 from geodiloco.workload.moe import build_moe, hold_unreached
 from geodiloco.workload.steps import evaluate_batches
-from rank_pool import RankPool
 
 MODEL = ModelConfig(n_layer=1, n_head=2, d_model=16, seq_len=8, experts=4, top_k=2, aux_loss_weight=0.1)
 

@@ -25,11 +25,11 @@ from geodiloco.site.parallel.layout import (
 )
 from geodiloco.site.parallel.pipeline_stages import Pipelined, split_model, stage_blocks
 from geodiloco.site.shards import PLACEMENT_ATTR, ShardMap, StagePlacement, replica_groups, stage_placement
+from geodiloco.testing.rank_pool import RankPool
 from geodiloco.testing.servers import free_port
 from geodiloco.workload import GPTConfig, build_model
 from geodiloco.workload.loss import cross_entropy
 from geodiloco.workload.steps import evaluate_batches
-from rank_pool import RankPool
 
 MODEL = GPTConfig(n_layer=3, n_head=2, d_model=16, seq_len=8)
 
