@@ -415,7 +415,7 @@ class RoundController:
 
     def check_push(self, name: str, run_id: str, round_: int) -> bool:
         """Validate a push before its payload is read. True when it is a duplicate."""
-        record = self.member(name, run_id)
+        self.member(name, run_id)
         if round_ < self.round - KEEP_DIGESTS:
             # its digests are gone: an acknowledgement could not say whether it was accepted
             raise FailedPrecondition(
@@ -424,14 +424,22 @@ class RoundController:
                 f"{self.round}: pull the current state"
             )
         if round_ < self.round:
-            if record.last_round >= round_:
-                return True
+            if self._contributed(name, round_):
+                return True  # a repeat of a push the round took
             raise LateContribution(f"round {round_} is closed; the current round is {self.round}")
         if self.finished:
             raise FailedPrecondition(f"run {self.cfg.run_id!r} has finished; nothing to push")
         if round_ == self.round:
             return name in self.mean.contributors
         raise FailedPrecondition(f"round {round_} is not open yet; the current round is {self.round}")
+
+    def _contributed(self, name: str, round_: int) -> bool:
+        """Whether ``name``'s contribution is in closed round ``round_`` (its record, kept
+        for every round and across restarts)."""
+        record = self.history[round_] if 0 <= round_ < len(self.history) else None
+        if record is None or record.round != round_:
+            return self.sites[name].last_round >= round_  # no record of that round: as before
+        return name in record.contributors
 
     async def contribute(
         self,

@@ -295,3 +295,20 @@ async def test_a_push_for_a_round_older_than_the_kept_digests_is_refused_not_ack
         c.check_push("site-a", "", 0)
     assert not isinstance(refused.value, LateContribution)  # not counted as a straggler
     assert c.round == KEEP_DIGESTS + 2  # nothing changed
+
+
+async def test_a_push_for_a_closed_round_the_site_skipped_is_late_even_after_a_later_contribution() -> None:
+    """protocol.md §3.1 rule 3: a repeat is a push to a round the site contributed to; a round
+    that closed without it stays late, whatever the site did after."""
+    c = controller(min_sites=1, rounds=5)
+    await join_all(c)
+    await c.contribute("site-a", "", 0, 100, torch.ones(N))
+    await asyncio.sleep(0.25)
+    await c.tick()  # round 0 closes on quorum without site-b
+    assert c.round == 1 and c.history[0].contributors == ["site-a"]
+    for name in c.cfg.sites:
+        await c.contribute(name, "", 1, 100, torch.ones(N))
+    assert c.round == 2
+    assert c.check_push("site-b", "", 1) is True  # its own round 1: a repeat
+    with pytest.raises(LateContribution, match="round 0 is closed"):
+        c.check_push("site-b", "", 0)
