@@ -37,7 +37,7 @@ def rank_pool() -> Iterator[Any]:
     function on every rank of a small group (tests/rank_pool.py)."""
     from rank_pool import RankPool
 
-    pool = RankPool(4)
+    pool = RankPool(6)
     yield pool
     pool.close()
 
