@@ -131,12 +131,27 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _site_rank(site: str, rank: int, world: int, port: int, argv: list[str], log: str, out: Any) -> None:
+def _site_rank(
+    site: str,
+    rank: int,
+    world: int,
+    port: int,
+    argv: list[str],
+    log: str,
+    env: dict[str, str],
+    paths: list[str],
+    out: Any,
+) -> None:
     """One rank of a site as `geodiloco site run` starts it: the daemon's entry point
     (:func:`geodiloco.site.worker.main`) in the environment torchrun gives a rank (and the
-    launcher's ``OMP_NUM_THREADS``), its output appended to the site's log as torchrun's is."""
+    launcher's ``OMP_NUM_THREADS``), its output appended to the site's log as torchrun's is.
+    ``env`` and ``paths`` (on ``sys.path``, as ``PYTHONPATH`` would put them) are the
+    environment the test gives its sites; both are undone after the task."""
     from geodiloco.site import worker
 
+    path = list(sys.path)
+    sys.path[:0] = paths
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -161,6 +176,7 @@ def _site_rank(site: str, rank: int, world: int, port: int, argv: list[str], log
         os.dup2(saved[1], 2)
         for f in (fd, *saved):
             os.close(f)
+        sys.path[:] = path
     out.put({"site": site, "rank": rank})
 
 
@@ -170,10 +186,13 @@ def run_sites(
     sites: Mapping[str, tuple[int, Sequence[str]]],
     logs: Path,
     timeout: float = 300,
+    env: Mapping[str, str] | None = None,
+    paths: Sequence[str] = (),
 ) -> None:
     """Sites ``{name: (ranks, daemon flags)}`` of the coordinator at ``target`` through the run,
     each a process group of pooled ranks running the site daemon on the CPU; each logs to
     ``logs/<name>.log``. Returns once every rank has left; a rank that fails fails the test.
+    ``env``: variables set in the ranks; ``paths``: put on their ``sys.path`` (``PYTHONPATH``).
 
     What only `geodiloco site run` itself does (the launcher, torchrun, a site killed or
     signalled) is tested with real site processes elsewhere; here the layouts are the point."""
@@ -181,5 +200,6 @@ def run_sites(
     for name, (ranks, flags) in sites.items():
         port = _free_port()
         argv = ["--coordinator", target, "--site", name, "--device", "cpu", *flags]
-        tasks += [(name, r, ranks, port, argv, str(logs / f"{name}.log")) for r in range(ranks)]
+        log = str(logs / f"{name}.log")
+        tasks += [(name, r, ranks, port, argv, log, dict(env or {}), list(paths)) for r in range(ranks)]
     pool.run(_site_rank, tasks, timeout)
