@@ -37,7 +37,7 @@ def rank_pool() -> Iterator[Any]:
     function on every rank of a small group (geodiloco.testing.rank_pool)."""
     from geodiloco.testing.rank_pool import RankPool
 
-    pool = RankPool(4)
+    pool = RankPool(6)
     yield pool
     pool.close()
 

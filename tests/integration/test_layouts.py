@@ -12,6 +12,10 @@ layouts in bf16 are in test_layouts_bf16.py (a file of its own, so that two work
 
 Two sites spread each rank's push and pull over several TCP connections (``--streams``): their
 ranks push a part per stream and share the chunks their streams pulled by the same rule.
+
+The coordinator is a process; each site is the site daemon on 2 real gloo ranks, from the test
+worker's pool of rank processes (tests/rank_pool.py: the layouts are the point here, the
+launcher and torchrun are started by the other integration tests).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import pytest
 from geodiloco.testing.audits import eval_losses
 from geodiloco.testing.configs import tiny_config
 from geodiloco.testing.processes import SitesRun
+from geodiloco.testing.rank_pool import RankPool, run_sites
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -40,7 +45,9 @@ STREAMS = {"site-tp": "3", "site-fsdp": "2"}  # connections per rank; the others
 
 
 @pytest.mark.parametrize("codec", list(MESHES))
-def test_sites_with_different_meshes_agree_every_round(tmp_path: Path, codec: str) -> None:
+def test_sites_with_different_meshes_agree_every_round(
+    rank_pool: RankPool, tmp_path: Path, codec: str
+) -> None:
     sites = MESHES[codec]
     # small chunks, so that chunks straddle shard boundaries and every rank pulls several
     cfg = tiny_config(
@@ -52,12 +59,12 @@ def test_sites_with_different_meshes_agree_every_round(tmp_path: Path, codec: st
         compression__downlink=codec,
     )
     with SitesRun(cfg, tmp_path) as run:
-        for name, (layout, precision) in sites.items():
-            streams = STREAMS.get(name, "1")
-            run.start(
-                name, "--nproc", "2", "--layout", layout, "--mixed-precision", precision, "--streams", streams
-            )
-        run.wait()
+        flags = {
+            name: (2, ["--layout", layout, "--mixed-precision", precision, "--streams", streams])
+            for name, (layout, precision) in sites.items()
+            for streams in [STREAMS.get(name, "1")]
+        }
+        run_sites(rank_pool, run.target, flags, tmp_path)
         status = run.status()
         assert status.finished and [h.round for h in status.history] == [0, 1, 2]
         for record in status.history:

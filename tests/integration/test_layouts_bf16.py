@@ -4,6 +4,10 @@
 bf16 is FSDP2's mixed precision policy where the layout shards (hsdp, fsdp+tp) and autocast
 elsewhere (ddp, tp); the parameters the outer sync hashes stay fp32. FSDP2 alone in bf16 runs
 in test_layouts.py.
+
+The coordinator is a process; each site is the site daemon on real gloo ranks, from the test
+worker's pool of rank processes (tests/rank_pool.py: the layouts are the point here, the
+launcher and torchrun are started by the other integration tests).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import pytest
 from geodiloco.testing.audits import eval_losses
 from geodiloco.testing.configs import tiny_config
 from geodiloco.testing.processes import SitesRun
+from geodiloco.testing.rank_pool import RankPool, run_sites
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -26,13 +31,15 @@ BF16_RUNS = {
 
 
 @pytest.mark.parametrize("run", list(BF16_RUNS))
-def test_every_named_layout_trains_in_bf16_and_agrees(tmp_path: Path, run: str) -> None:
+def test_every_named_layout_trains_in_bf16_and_agrees(rank_pool: RankPool, tmp_path: Path, run: str) -> None:
     sites = BF16_RUNS[run]
     cfg = tiny_config(rounds=3, sites=[name for name, *_ in sites], compression__chunk_elements=700)
     with SitesRun(cfg, tmp_path) as processes:
-        for name, ranks, layout, precision in sites:
-            processes.start(name, "--nproc", str(ranks), "--layout", layout, "--mixed-precision", precision)
-        processes.wait()
+        flags = {
+            name: (ranks, ["--layout", layout, "--mixed-precision", precision])
+            for name, ranks, layout, precision in sites
+        }
+        run_sites(rank_pool, processes.target, flags, tmp_path)
         status = processes.status()
         assert status.finished and [h.round for h in status.history] == [0, 1, 2]
         for record in status.history:

@@ -1,6 +1,10 @@
 """Data as people write it, at real sites: a map-style dataset, an iterable and a sampler with
 replacement each train across two sites with every ledger item used once, while the coordinator
-(whose datasets raise if an item is read outside a site's ranks) only asks for sizes."""
+(whose datasets raise if an item is read outside a site's ranks) only asks for sizes.
+
+The coordinator is a process; each site is the site daemon on a real gloo rank from the test
+worker's pool of rank processes (tests/rank_pool.py), given the tests' folder as PYTHONPATH
+would give it; the launcher and torchrun are started by the other integration tests."""
 
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ import pytest
 from geodiloco.app.status import fetch_status, request_shutdown
 from geodiloco.config import load_config
 from geodiloco.testing.audits import ledger_problems, round_log
-from geodiloco.testing.processes import kill_tree, spawn_geodiloco, start_coordinator_process
+from geodiloco.testing.processes import kill_tree, start_coordinator_process
+from geodiloco.testing.rank_pool import RankPool, run_sites
 
 pytestmark = pytest.mark.integration
 WORKLOAD_TESTS = Path(__file__).resolve().parents[1] / "workload"
@@ -21,7 +26,7 @@ ROUNDS = 2
 
 @pytest.mark.parametrize("kind", ["map_style", "iterable", "sampler"])
 def test_each_kind_of_dataset_trains_at_two_sites_and_the_coordinator_reads_no_item(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+    rank_pool: RankPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(filter(None, [str(WORKLOAD_TESTS), os.environ.get("PYTHONPATH")]))
@@ -45,13 +50,9 @@ def test_each_kind_of_dataset_trains_at_two_sites_and_the_coordinator_reads_no_i
         ],
     )
     coordinator, target = start_coordinator_process(cfg, tmp_path)
-    sites = []
     try:
-        for name in cfg.sites:
-            args = ["site", "run", "--name", name, "--coordinator", target, "--insecure", "--nproc", "1"]
-            sites.append(spawn_geodiloco(args, tmp_path / f"{name}.log"))
-        for name, proc in zip(cfg.sites, sites, strict=True):
-            assert proc.wait(timeout=180) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        sites = dict.fromkeys(cfg.sites, (1, []))
+        run_sites(rank_pool, target, sites, tmp_path, timeout=180, paths=[str(WORKLOAD_TESTS)])
         status = fetch_status(target, None)
         assert status.finished and [h.round for h in status.history] == list(range(ROUNDS))
         assert all(h.hashes_agree and h.hash_reports == 2 for h in status.history)
@@ -61,7 +62,6 @@ def test_each_kind_of_dataset_trains_at_two_sites_and_the_coordinator_reads_no_i
         request_shutdown(target, None)
         assert coordinator.wait(timeout=60) == 0
     finally:
-        for proc in (*sites, coordinator):
-            if proc.poll() is None:
-                kill_tree(proc)
+        if coordinator.poll() is None:
+            kill_tree(coordinator)
     assert "outside a site's ranks" not in (tmp_path / "coordinator.log").read_text()

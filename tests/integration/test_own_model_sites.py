@@ -1,7 +1,11 @@
 """Users' own models at real sites: a Hugging Face Llama trained by a DDP site and an FSDP2 +
 tensor-parallel site (FSDP2 per decoder layer, attention heads and MLP split across 2 ranks;
 hashes agree every round), then exported and read back by transformers with the coordinator's
-logits; and a site whose builders do not load leaves with one line, before training."""
+logits; and a site whose builders do not load leaves with one line, before training.
+
+The Llama's sites are the site daemon on real gloo ranks from the test worker's pool of rank
+processes (tests/rank_pool.py), against a coordinator process; the site that does not load is a
+real `geodiloco site run` (its one line passes through torchrun)."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from geodiloco.app.status import fetch_status, request_shutdown
 from geodiloco.config import load_config
 from geodiloco.testing.audits import round_log
 from geodiloco.testing.processes import kill_tree, spawn_geodiloco, start_coordinator_process
+from geodiloco.testing.rank_pool import RankPool, run_sites
 from geodiloco.workload.hf import tiny_llama
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -27,7 +32,7 @@ TESTS = Path(__file__).resolve().parents[1]
 
 
 def test_a_hf_llama_trains_at_a_ddp_and_an_fsdp_tp_site_and_exports_to_the_same_logits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    rank_pool: RankPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tiny_llama(5).save_pretrained(tmp_path / "pre")
@@ -49,15 +54,9 @@ def test_a_hf_llama_trains_at_a_ddp_and_an_fsdp_tp_site_and_exports_to_the_same_
         ],
     )
     coordinator, target = start_coordinator_process(cfg, tmp_path)
-    sites = []
     try:
-        for name, nproc, layout in (("site-1", 1, "ddp"), ("site-2", 4, "fsdp+tp")):
-            args = ["site", "run", "--name", name, "--coordinator", target, "--insecure"]
-            sites.append(
-                spawn_geodiloco([*args, "--nproc", str(nproc), "--layout", layout], tmp_path / f"{name}.log")
-            )
-        for name, proc in zip(("site-1", "site-2"), sites, strict=True):
-            assert proc.wait(timeout=500) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        sites = {"site-1": (1, ["--layout", "ddp"]), "site-2": (4, ["--layout", "fsdp+tp"])}
+        run_sites(rank_pool, target, sites, tmp_path, timeout=500, env={"HF_HUB_OFFLINE": "1"})
         status = fetch_status(target, None)
         assert status.finished and [h.round for h in status.history] == list(range(ROUNDS))
         for record in status.history:
@@ -68,9 +67,8 @@ def test_a_hf_llama_trains_at_a_ddp_and_an_fsdp_tp_site_and_exports_to_the_same_
         request_shutdown(target, None)
         assert coordinator.wait(timeout=60) == 0
     finally:
-        for proc in (*sites, coordinator):
-            if proc.poll() is None:
-                kill_tree(proc)
+        if coordinator.poll() is None:
+            kill_tree(coordinator)
     out = tmp_path / "export"
     argv = ["export", str(tmp_path / "coord"), "--config", str(tmp_path / "run.json"), "--out", str(out)]
     assert cli.main(argv) == 0

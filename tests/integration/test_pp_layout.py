@@ -4,7 +4,10 @@ A ``pp=2`` site (two stages, one rank each) and a DDP site train one model: each
 pushes the elements it owns and every round's hashes agree. The stage site checkpoints every
 round, is SIGKILLed, and comes back as one plain rank from the same directory: its DCP checkpoint
 is keyed by canonical names (both stages' parameters, the tied embedding once), so the state it
-loads hashes to what the stages saved. Then stages composed with FSDP2 (``pp=2,dp_shard=2``).
+loads hashes to what the stages saved. Then stages composed with FSDP2 (``pp=2,dp_shard=2``),
+whose sites are the site daemon on real gloo ranks from the test worker's pool of rank processes
+(tests/rank_pool.py: the layout is the point there; the first test starts, kills and restarts
+real `geodiloco site run` processes).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from geodiloco.params import canonical_parameters
 from geodiloco.testing.configs import tiny_config
 from geodiloco.testing.processes import SitesRun, kill_tree, wait_for_checkpoint
+from geodiloco.testing.rank_pool import RankPool, run_sites
 from geodiloco.workload import GPTConfig, build_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -68,13 +72,12 @@ def test_pp_site_agrees_with_ddp_and_its_checkpoint_resumes_under_ddp(tmp_path: 
         run.finish()
 
 
-def test_pp_with_fsdp_site_agrees_with_ddp_every_round(tmp_path: Path) -> None:
-    sites = {"site-pp-fsdp": ("4", "pp=2,dp_shard=2"), "site-ddp": ("1", "ddp")}
+def test_pp_with_fsdp_site_agrees_with_ddp_every_round(rank_pool: RankPool, tmp_path: Path) -> None:
+    sites = {"site-pp-fsdp": (4, "pp=2,dp_shard=2"), "site-ddp": (1, "ddp")}
     cfg = tiny_config(rounds=3, sites=list(sites), min_sites=2, model=MODEL, compression__chunk_elements=700)
     with SitesRun(cfg, tmp_path) as run:
-        for name, (ranks, layout) in sites.items():
-            run.start(name, "--nproc", ranks, "--layout", layout)
-        run.wait()
+        flags = {name: (ranks, ["--layout", layout]) for name, (ranks, layout) in sites.items()}
+        run_sites(rank_pool, run.target, flags, tmp_path)
         status = run.status()
         assert status.finished and [h.round for h in status.history] == [0, 1, 2]
         for record in status.history:

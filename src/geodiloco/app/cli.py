@@ -355,7 +355,34 @@ def _add_wan_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentPa
     )
 
 
+def _held_port(host: str, port: int | None) -> str | None:
+    """Why ``host:port`` cannot be listened on when another socket holds it (its strerror);
+    None when it is free, 0 or cannot be judged here (the bind itself then decides)."""
+    import errno
+    import socket
+
+    if not port:
+        return None
+    try:
+        family, _, _, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.create_server(address[:2], family=family):
+            return None
+    except OSError as exc:
+        return os.strerror(exc.errno) if exc.errno == errno.EADDRINUSE else None
+
+
 def _serve(args: argparse.Namespace) -> int:
+    # A port another process holds is refused at once, as the bind would refuse it, rather than
+    # once the model is built and its dry step taken (seconds; minutes for a large model).
+    for port, what in ((args.port, ""), (args.health_port, "health: "), (args.metrics_port, "metrics: ")):
+        held = _held_port(args.host, port)
+        if held is not None:
+            where = f"{what}cannot listen on {args.host}:{port}"
+            why = f": {held}" if what == "metrics: " else " (address in use or not available)"
+            print(f"geodiloco coordinator serve: {where}{why}", file=sys.stderr)
+            return 2
     if args.run_dir is not None:  # a restart: the snapshot is read while torch and the server load
         from geodiloco.coordinator.rundir import STATE_FILE
         from geodiloco.coordinator.unbuffered import read_ahead

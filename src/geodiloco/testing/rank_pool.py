@@ -1,5 +1,6 @@
 """Real gloo rank processes, started once per test worker and reused by the tests that run a
-function on every rank of a small process group (the layout, pipeline and expert tests).
+function on every rank of a small process group (the layout, pipeline and expert tests), and by
+the integration tests whose sites' layouts are what they test (:func:`run_sites`).
 
 Spawning a rank costs seconds (a fresh interpreter imports torch, the test module and its
 helpers); the function a test runs on it costs a fraction of that. The pool spawns its
@@ -16,9 +17,12 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
+import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -119,3 +123,83 @@ class RankPool:
             codes.append(p.exitcode)
         self._procs = []
         assert codes == [0] * len(codes), f"pooled rank processes exited with {codes}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _site_rank(
+    site: str,
+    rank: int,
+    world: int,
+    port: int,
+    argv: list[str],
+    log: str,
+    env: dict[str, str],
+    paths: list[str],
+    out: Any,
+) -> None:
+    """One rank of a site as `geodiloco site run` starts it: the daemon's entry point
+    (:func:`geodiloco.site.daemon.worker.main`) in the environment torchrun gives a rank (and the
+    launcher's ``OMP_NUM_THREADS``), its output appended to the site's log as torchrun's is.
+    ``env`` and ``paths`` (on ``sys.path``, as ``PYTHONPATH`` would put them) are the
+    environment the test gives its sites; both are undone after the task."""
+    from geodiloco.site.daemon import worker
+
+    path = list(sys.path)
+    sys.path[:0] = paths
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    try:
+        worker.main(argv)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (fd, *saved):
+            os.close(f)
+        sys.path[:] = path
+    out.put({"site": site, "rank": rank})
+
+
+def run_sites(
+    pool: RankPool,
+    target: str,
+    sites: Mapping[str, tuple[int, Sequence[str]]],
+    logs: Path,
+    timeout: float = 300,
+    env: Mapping[str, str] | None = None,
+    paths: Sequence[str] = (),
+) -> None:
+    """Sites ``{name: (ranks, daemon flags)}`` of the coordinator at ``target`` through the run,
+    each a process group of pooled ranks running the site daemon on the CPU; each logs to
+    ``logs/<name>.log``. Returns once every rank has left; a rank that fails fails the test.
+    ``env``: variables set in the ranks; ``paths``: put on their ``sys.path`` (``PYTHONPATH``).
+
+    What only `geodiloco site run` itself does (the launcher, torchrun, a site killed or
+    signalled) is tested with real site processes elsewhere; here the layouts are the point."""
+    tasks = []
+    for name, (ranks, flags) in sites.items():
+        port = _free_port()
+        argv = ["--coordinator", target, "--site", name, "--device", "cpu", *flags]
+        log = str(logs / f"{name}.log")
+        tasks += [(name, r, ranks, port, argv, log, dict(env or {}), list(paths)) for r in range(ranks)]
+    pool.run(_site_rank, tasks, timeout)
