@@ -84,8 +84,11 @@ def test_per_second_counts_show_the_link_rate() -> None:
             everything = proxy.proxy.rate_profile(started - 1, ended + 1)
         reader.join(10)
     assert sum(everything) == 1_000_000
-    # never above the rate (one piece of slack); below it only by the pacing's overhead
-    assert len(whole) >= 3 and all(150_000 <= n <= 250_000 + 1250 for n in whole), whole
+    # never above the rate in any second (one piece of slack): what the shaper guarantees; below
+    # it only by the pacing's overhead, over the whole transfer (one second alone can fall short
+    # when the machine starves the proxy's thread: 132,500 bytes seen with a test run beside it)
+    assert len(whole) >= 3 and all(n <= 250_000 + 1250 for n in whole), whole
+    assert sum(whole) >= 150_000 * len(whole) and min(whole) > 0, whole
     later = proxy.proxy.rate_profile(ended + 5, ended + 8)
     assert len(later) >= 2 and not any(later)  # idle seconds count as 0
 
