@@ -58,13 +58,14 @@ class RankPool:
         self.size = size
         self._ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
+        self._tasks: list[Any] = []
         self._pending = 0  # results of the task given out and not yet collected
 
     def _grow(self, ranks: int) -> None:
         """Spawn processes until there are ``ranks`` (a pool grows to the largest group asked)."""
         if not self._procs:
             self.out, self.errors = self._ctx.Queue(), self._ctx.Queue()
-            self._tasks: list[Any] = []
+            self._tasks = []
         while len(self._procs) < ranks:
             i = len(self._procs)
             self._tasks.append(self._ctx.Queue())
@@ -118,6 +119,20 @@ class RankPool:
                 dead = [p.exitcode for p in self._procs if not p.is_alive()]
                 assert not dead, f"a pooled rank process died (exit codes {dead})"
                 assert time.monotonic() < deadline, f"no result from the ranks in {timeout:.0f}s"
+
+    def trim(self, keep: int) -> None:
+        """Stop the processes beyond the first ``keep`` (each must exit 0): idle ranks hold a
+        few hundred MB each while the next tests start processes of their own."""
+        if self._pending:
+            self._kill()
+        extra = self._procs[keep:]
+        for tasks in self._tasks[keep:]:
+            tasks.put(STOP)
+        for p in extra:
+            p.join(60)
+        del self._procs[keep:], self._tasks[keep:]
+        codes = [p.exitcode for p in extra]
+        assert codes == [0] * len(codes), f"pooled rank processes exited with {codes}"
 
     def abandon(self) -> None:
         """After a test that may have failed before :meth:`wait`: ranks still at work are killed
