@@ -42,6 +42,14 @@ def rank_pool() -> Iterator[Any]:
     pool.close()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _trim_rank_pool(rank_pool: Any) -> Iterator[None]:
+    """After each module, the pool keeps at most 4 idle rank processes (the largest groups,
+    6 ranks, are the layout tests')."""
+    yield
+    rank_pool.trim(4)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tier: dict[Path, int] = {}

@@ -1,5 +1,8 @@
 """SIGKILL the coordinator in the middle of a run and restart it: no committed round is lost or
-applied twice, and the sites (real processes) carry on to the end with identical parameters."""
+applied twice, and the sites (real processes) carry on to the end with identical parameters.
+
+Each site is the site daemon on 2 real gloo ranks from the test worker's pool of rank processes
+(tests/rank_pool.py); the coordinator is the process killed and restarted."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from geodiloco.app.status import fetch_status, request_shutdown
 from geodiloco.testing.audits import ledger_problems, round_log
 from geodiloco.testing.configs import tiny_config
 from geodiloco.testing.processes import kill_tree, serve_args, spawn_geodiloco
+from geodiloco.testing.rank_pool import RankPool, start_sites
 from geodiloco.testing.servers import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -22,20 +26,14 @@ def serve(config: Path, port: int, run_dir: Path, log: Path) -> object:
     return spawn_geodiloco(serve_args(config, port, run_dir), log)
 
 
-def test_coordinator_killed_mid_run_resumes_from_its_last_commit(tmp_path: Path) -> None:
+def test_coordinator_killed_mid_run_resumes_from_its_last_commit(rank_pool: RankPool, tmp_path: Path) -> None:
     rounds = 8
     cfg = tiny_config(rounds=rounds, inner__steps_per_round=15, lease_s=30.0)
     config, run_dir, port = tmp_path / "run.json", tmp_path / "coord", free_port()
     config.write_text(cfg.to_json())
     target = f"127.0.0.1:{port}"
     coordinator = serve(config, port, run_dir, tmp_path / "coordinator-1.log")
-    sites = [
-        spawn_geodiloco(
-            ["site", "run", "--name", n, "--coordinator", target, "--nproc", "2", "--insecure"],
-            tmp_path / f"{n}.log",
-        )
-        for n in cfg.sites
-    ]
+    start_sites(rank_pool, target, dict.fromkeys(cfg.sites, (2, [])), tmp_path)
     try:
         deadline = time.monotonic() + 180
         while len(round_log(run_dir)) < 3:
@@ -47,8 +45,7 @@ def test_coordinator_killed_mid_run_resumes_from_its_last_commit(tmp_path: Path)
         assert killed_at < rounds
         coordinator = serve(config, port, run_dir, tmp_path / "coordinator-2.log")
 
-        for name, proc in zip(cfg.sites, sites, strict=True):
-            assert proc.wait(timeout=300) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        rank_pool.wait(300)  # every rank of both sites left the run
         log = round_log(run_dir)
         assert [r["round"] for r in log] == list(range(rounds))  # contiguous, none lost or repeated
         assert len({r["state_hash"] for r in log}) == rounds
@@ -67,6 +64,6 @@ def test_coordinator_killed_mid_run_resumes_from_its_last_commit(tmp_path: Path)
         request_shutdown(target, None)
         assert coordinator.wait(timeout=30) == 0
     finally:
-        for proc in (*sites, coordinator):
-            if proc.poll() is None:
-                kill_tree(proc)
+        rank_pool.abandon()
+        if coordinator.poll() is None:
+            kill_tree(coordinator)

@@ -4,6 +4,10 @@ fragment and two real sites (torchrun, gloo) syncing P = 2 fragments with τ = 1
 Every fragment's round log is read from its own directory of the run directory; every site's
 hash of every fragment of every round must match the coordinator's; the data ledger (settled by
 the last fragment) must be consumed exactly once, through a coordinator SIGKILL and a site kill.
+
+The sites of the first two tests (all agree; the coordinator killed) are the site daemon on real
+gloo ranks from the test worker's pool of rank processes (tests/rank_pool.py); those killed or
+partitioned are real `geodiloco site run` processes.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from geodiloco.faults import FAULT_PLAN_ENV, Fault, FaultPlan, fired
 from geodiloco.testing.audits import ledger_problems, round_log
 from geodiloco.testing.configs import tiny_config
 from geodiloco.testing.processes import kill_tree, serve_args, spawn_geodiloco
+from geodiloco.testing.rank_pool import RankPool, start_sites
 from geodiloco.testing.servers import free_port
 
 pytestmark = pytest.mark.integration
@@ -50,17 +55,29 @@ class Run:
     """A coordinator (restartable on a fixed port) and the two sites of one run."""
 
     def __init__(
-        self, tmp_path: Path, cfg: RunConfig, links: dict[str, ProxyThread] | None = None, port: int = 0
+        self,
+        tmp_path: Path,
+        cfg: RunConfig,
+        links: dict[str, ProxyThread] | None = None,
+        port: int = 0,
+        pool: RankPool | None = None,
     ) -> None:
-        """``links``: a site reaches the coordinator through its WAN proxy there."""
+        """``links``: a site reaches the coordinator through its WAN proxy there; ``pool``: the
+        sites run on pooled ranks (not killed one by one), else as `geodiloco site run`."""
         self.tmp, self.cfg = tmp_path, cfg
         self.config, self.run_dir, self.port = tmp_path / "run.json", tmp_path / "coord", port or free_port()
         self.config.write_text(cfg.to_json())
         self.target = f"127.0.0.1:{self.port}"
         self.starts = 0
         self.coordinator = self.serve()
+        self.pool = pool
         via = {name: proxy.address for name, proxy in (links or {}).items()}
         site = ["site", "run", "--nproc", "1", "--insecure", "--name"]
+        if pool is not None:
+            assert not via, "pooled sites reach the coordinator directly"
+            start_sites(pool, self.target, dict.fromkeys(cfg.sites, (1, [])), tmp_path)
+            self.sites = {}
+            return
         self.sites = {
             name: spawn_geodiloco(
                 [*site, name, "--coordinator", via.get(name, self.target)], tmp_path / f"{name}.log"
@@ -91,10 +108,16 @@ class Run:
             time.sleep(0.05)
 
     def wait_sites(self, names: list[str], timeout_s: float = 240) -> None:
+        if self.pool is not None:  # pooled sites end together
+            assert sorted(names) == sorted(self.cfg.sites)
+            self.pool.wait(timeout_s)
+            return
         for name in names:
             assert self.sites[name].wait(timeout=timeout_s) == 0, self.log(name)
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.abandon()
         for proc in (*self.sites.values(), self.coordinator):
             if proc.poll() is None:
                 kill_tree(proc)
@@ -110,9 +133,9 @@ def assert_fragments_chained(run: Run, rounds: int) -> list[list[dict[str, Any]]
     return logs
 
 
-def test_two_sites_stream_two_fragments_and_agree_on_every_hash(tmp_path: Path) -> None:
+def test_two_sites_stream_two_fragments_and_agree_on_every_hash(rank_pool: RankPool, tmp_path: Path) -> None:
     cfg = streaming_config()
-    run = Run(tmp_path, cfg)
+    run = Run(tmp_path, cfg, pool=rank_pool)
     try:
         run.wait_sites(list(cfg.sites))
         assert (run.run_dir / PLAN_FILE).exists() and not (run.run_dir / "rounds.jsonl").exists()
@@ -134,9 +157,9 @@ def test_two_sites_stream_two_fragments_and_agree_on_every_hash(tmp_path: Path) 
         run.close()
 
 
-def test_a_coordinator_killed_mid_run_resumes_every_fragment(tmp_path: Path) -> None:
+def test_a_coordinator_killed_mid_run_resumes_every_fragment(rank_pool: RankPool, tmp_path: Path) -> None:
     cfg = streaming_config(rounds=6, lease_s=30.0)
-    run = Run(tmp_path, cfg)
+    run = Run(tmp_path, cfg, pool=rank_pool)
     try:
         run.wait_rounds(2)
         run.coordinator.send_signal(signal.SIGKILL)

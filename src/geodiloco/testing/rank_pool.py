@@ -58,12 +58,14 @@ class RankPool:
         self.size = size
         self._ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._pending = 0  # results of the task given out and not yet collected
 
     def _grow(self, ranks: int) -> None:
         """Spawn processes until there are ``ranks`` (a pool grows to the largest group asked)."""
         if not self._procs:
             self.out, self.errors = self._ctx.Queue(), self._ctx.Queue()
-            self._tasks: list[Any] = []
+            self._tasks = []
         while len(self._procs) < ranks:
             i = len(self._procs)
             self._tasks.append(self._ctx.Queue())
@@ -75,22 +77,35 @@ class RankPool:
     def run(self, fn: Callable[..., None], ranks: Sequence[tuple[Any, ...]], timeout: float) -> list[Any]:
         """``fn(*ranks[r], out)`` on process ``r`` for every rank; what they put on ``out``
         (one result each, in the order they came)."""
+        self.submit(fn, ranks)
+        return self.wait(timeout)
+
+    def submit(self, fn: Callable[..., None], ranks: Sequence[tuple[Any, ...]]) -> None:
+        """Give out ``fn(*ranks[r], out)`` to process ``r`` and return; :meth:`wait` collects."""
         assert len(ranks) <= self.size, f"{len(ranks)} ranks, a pool of {self.size}"
+        if self._pending:  # a test that ended before collecting its ranks: they may still run
+            self._kill()
         self._grow(len(ranks))
         for index, args in enumerate(ranks):
             self._tasks[index].put((fn, tuple(args)))
+        self._pending = len(ranks)
+
+    def wait(self, timeout: float) -> list[Any]:
+        """The results of the task given out, once every rank has put its own (in the order
+        they came); a rank's error, or ``timeout`` seconds, fails the test."""
+        deadline = time.monotonic() + timeout
         results = []
         try:
-            for _ in ranks:
-                results.append(self._next(timeout))
+            while self._pending:
+                results.append(self._next(deadline, timeout))
+                self._pending -= 1
         except BaseException:
             self._kill()
             raise
         return results
 
-    def _next(self, timeout: float) -> Any:
-        """The next result; a rank's error (or none in ``timeout`` seconds) fails the test."""
-        deadline = time.monotonic() + timeout
+    def _next(self, deadline: float, timeout: float) -> Any:
+        """The next result; a rank's error (or none by ``deadline``) fails the test."""
         while True:
             try:
                 index, trace = self.errors.get_nowait()
@@ -105,14 +120,37 @@ class RankPool:
                 assert not dead, f"a pooled rank process died (exit codes {dead})"
                 assert time.monotonic() < deadline, f"no result from the ranks in {timeout:.0f}s"
 
+    def trim(self, keep: int) -> None:
+        """Stop the processes beyond the first ``keep`` (each must exit 0): idle ranks hold a
+        few hundred MB each while the next tests start processes of their own."""
+        if self._pending:
+            self._kill()
+        extra = self._procs[keep:]
+        for tasks in self._tasks[keep:]:
+            tasks.put(STOP)
+        for p in extra:
+            p.join(60)
+        del self._procs[keep:], self._tasks[keep:]
+        codes = [p.exitcode for p in extra]
+        assert codes == [0] * len(codes), f"pooled rank processes exited with {codes}"
+
+    def abandon(self) -> None:
+        """After a test that may have failed before :meth:`wait`: ranks still at work are killed
+        (the pool starts afresh), so they do not run on into the next test."""
+        if self._pending:
+            self._kill()
+
     def _kill(self) -> None:
         for p in self._procs:
             p.kill()
             p.join(10)
         self._procs = []
+        self._pending = 0
 
     def close(self) -> None:
         """Stop every process; each must exit 0 (as each rank process of a test had to)."""
+        if self._pending:
+            self._kill()
         if not self._procs:
             return
         for tasks in self._tasks:
@@ -180,6 +218,31 @@ def _site_rank(
     out.put({"site": site, "rank": rank})
 
 
+def start_sites(
+    pool: RankPool,
+    target: str,
+    sites: Mapping[str, tuple[int, Sequence[str]]],
+    logs: Path,
+    env: Mapping[str, str] | None = None,
+    paths: Sequence[str] = (),
+) -> None:
+    """Start sites ``{name: (ranks, daemon flags)}`` of the coordinator at ``target``, each a
+    process group of pooled ranks running the site daemon on the CPU; each logs to
+    ``logs/<name>.log``. ``pool.wait(timeout)`` returns once every rank has left; a rank that
+    fails fails the test. ``env``: variables set in the ranks; ``paths``: put on their
+    ``sys.path`` (as ``PYTHONPATH``).
+
+    What only `geodiloco site run` itself does (the launcher, torchrun, a site killed or
+    signalled) is tested with real site processes elsewhere."""
+    tasks = []
+    for name, (ranks, flags) in sites.items():
+        port = _free_port()
+        argv = ["--coordinator", target, "--site", name, "--device", "cpu", *flags]
+        log = str(logs / f"{name}.log")
+        tasks += [(name, r, ranks, port, argv, log, dict(env or {}), list(paths)) for r in range(ranks)]
+    pool.submit(_site_rank, tasks)
+
+
 def run_sites(
     pool: RankPool,
     target: str,
@@ -189,17 +252,6 @@ def run_sites(
     env: Mapping[str, str] | None = None,
     paths: Sequence[str] = (),
 ) -> None:
-    """Sites ``{name: (ranks, daemon flags)}`` of the coordinator at ``target`` through the run,
-    each a process group of pooled ranks running the site daemon on the CPU; each logs to
-    ``logs/<name>.log``. Returns once every rank has left; a rank that fails fails the test.
-    ``env``: variables set in the ranks; ``paths``: put on their ``sys.path`` (``PYTHONPATH``).
-
-    What only `geodiloco site run` itself does (the launcher, torchrun, a site killed or
-    signalled) is tested with real site processes elsewhere; here the layouts are the point."""
-    tasks = []
-    for name, (ranks, flags) in sites.items():
-        port = _free_port()
-        argv = ["--coordinator", target, "--site", name, "--device", "cpu", *flags]
-        log = str(logs / f"{name}.log")
-        tasks += [(name, r, ranks, port, argv, log, dict(env or {}), list(paths)) for r in range(ranks)]
-    pool.run(_site_rank, tasks, timeout)
+    """:func:`start_sites`, then wait for every rank to leave (``timeout`` seconds at most)."""
+    start_sites(pool, target, sites, logs, env, paths)
+    pool.wait(timeout)
