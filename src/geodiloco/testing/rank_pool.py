@@ -1,10 +1,12 @@
-"""Real gloo rank processes, started once per test worker and reused by the tests that run a
-function on every rank of a small process group (the layout, pipeline and expert tests), and by
-the integration tests whose sites' layouts are what they test (:func:`run_sites`).
+"""Real gloo rank processes for the tests that run a function on every rank of a small process
+group (the layout, pipeline and expert tests), and for the integration tests whose sites'
+layouts are what they test (:func:`run_sites`: a site's ranks as the daemon's entry point,
+without the launcher and torchrun).
 
-Spawning a rank costs seconds (a fresh interpreter imports torch, the test module and its
-helpers); the function a test runs on it costs a fraction of that. The pool spawns its
-processes on first use (``spawn``, as the tests did) and keeps them: each :meth:`RankPool.run`
+The pool was meant to keep its processes from task to task (spawning a rank costs seconds);
+a reused process kept torch.distributed's state of its last task, and DTensor collectives then
+named a destroyed group, so each task's ranks now stop when it ends (:meth:`RankPool.wait`) and
+the next task spawns afresh. Each :meth:`RankPool.run`
 hands rank ``r`` of the task to process ``r``, which runs it in a process group of its own
 (the function initialises and destroys it, on a fresh port) and puts its result on the queue
 the function is given, as before. A task that raises on any rank, or does not answer in time,
@@ -102,6 +104,10 @@ class RankPool:
         except BaseException:
             self._kill()
             raise
+        # The ranks stop after each task (each must exit 0): a process reused for a later task
+        # kept torch.distributed's state of the last one, and DTensor collectives then named a
+        # destroyed group ("Could not resolve the process group", seen on a clean clone's run).
+        self.trim(0)
         return results
 
     def _next(self, deadline: float, timeout: float) -> Any:
