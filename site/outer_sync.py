@@ -719,6 +719,11 @@ class OuterSync:
     def pull_timeout_s(self) -> float:
         return self.config.round_timeout_s + 300
 
+    def sum_over_ranks(self, *values: float) -> list[float]:
+        """Each value summed over the site's ranks (call it on every rank), on the site's control
+        group: metrics stay on the host, whatever backend the model's group uses."""
+        return self.group.sum_floats(values)
+
     def report(
         self, eval_loss_sum: float, eval_count: int, train_loss: float, compute_seconds: float
     ) -> None:
