@@ -294,24 +294,24 @@ class Pipeline:
 
     def check_raw(self, raw: torch.Tensor, numel: int) -> None:
         """Refuse, on the host and without decoding, the raw bytes :meth:`decode_raw` refuses."""
+        if not self.decodes_on_device:
+            raise CodecError(f"{self.spec}: decoded on the host only")
         if isinstance(self.values, BlockwiseAbsmax):
             self.values.check(raw, numel)
-        elif isinstance(self.values, Fp32) and self.sparsifier is None:
-            if raw.numel() != 4 * numel:
-                raise CodecError(f"{self.spec}: {raw.numel()} raw bytes, expected {4 * numel}")
-            self.values.decode(raw, numel)  # a view: finite or refused
-        else:
-            raise CodecError(f"{self.spec}: decoded on the host only")
+            return
+        if raw.numel() != 4 * numel:
+            raise CodecError(f"{self.spec}: {raw.numel()} raw bytes, expected {4 * numel}")
+        self.values.decode(raw, numel)  # fp32: a view, finite or refused
 
     def decode_on_device(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
         """:meth:`decode_raw`'s values of raw bytes that :meth:`check_raw` passed and that were then
         copied to a device: the same bits, computed there, with no host round trip (no check
         waits for the device)."""
-        if isinstance(self.values, BlockwiseAbsmax) and self.sparsifier is None:
+        if not self.decodes_on_device:
+            raise CodecError(f"{self.spec}: decoded on the host only")
+        if isinstance(self.values, BlockwiseAbsmax):
             return self.values.decode_on_device(raw, numel)
-        if isinstance(self.values, Fp32) and self.sparsifier is None:
-            return reinterpret(raw, torch.float32)
-        raise CodecError(f"{self.spec}: decoded on the host only")
+        return reinterpret(raw, torch.float32)
 
     def fold_raw(
         self, raw: torch.Tensor, place: Place, total: torch.Tensor, weight: float, first: bool
