@@ -44,7 +44,7 @@ def require_finite(x: torch.Tensor, what: str = "tensor") -> None:
 def reinterpret(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """View a uint8 slice as ``dtype``, copying only when the slice is misaligned."""
     if raw.numel() == 0:
-        return torch.empty(0, dtype=dtype)
+        return torch.empty(0, dtype=dtype, device=raw.device)
     if raw.storage_offset() % dtype.itemsize:
         raw = raw.clone()
     return raw.view(dtype)

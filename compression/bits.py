@@ -38,7 +38,8 @@ def unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
     if width == 8:
         return packed[:count]
     if 8 % width == 0:
-        shifts = torch.arange(0, 8, width, dtype=torch.uint8)
+        shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=packed.device)
         return ((packed[:, None] >> shifts) & ((1 << width) - 1)).reshape(-1)[:count]
-    bits = ((packed[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)[: count * width]
-    return (bits.view(count, width).to(torch.int64) << torch.arange(width, dtype=torch.int64)).sum(dim=1)
+    bits = ((packed[:, None] >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1).reshape(-1)
+    weights = torch.arange(width, dtype=torch.int64, device=packed.device)
+    return (bits[: count * width].view(count, width).to(torch.int64) << weights).sum(dim=1)

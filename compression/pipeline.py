@@ -14,14 +14,13 @@ which bounds what a decoder ever allocates.
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from geodiloco.compression import envelope, indices, nibbles
-from geodiloco.compression.base import ValueCodec, require_finite
+from geodiloco.compression.base import ValueCodec, reinterpret, require_finite
 from geodiloco.compression.bits import pack_bits
 from geodiloco.compression.casts import Bf16, Fp16, Fp32
 from geodiloco.compression.codec_error import CodecError
@@ -35,6 +34,7 @@ from geodiloco.compression.levels import (
 )
 from geodiloco.compression.quantize import BlockwiseAbsmax
 from geodiloco.compression.sparsify import TopK
+from geodiloco.compression.staging import thread_staging
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +286,33 @@ class Pipeline:
             raise CodecError(f"{self.spec}: {raw.numel()} raw bytes, expected {self._body_size(numel, kept)}")
         return self._values(raw, numel, kept)
 
+    @property
+    def decodes_on_device(self) -> bool:
+        """Whether :meth:`decode_on_device` takes this pipeline's raw bytes: blockwise q8/q4/q2 or
+        fp32 values, no sparsifier (the outer updates and full states as configured by default)."""
+        return self.sparsifier is None and isinstance(self.values, BlockwiseAbsmax | Fp32)
+
+    def check_raw(self, raw: torch.Tensor, numel: int) -> None:
+        """Refuse, on the host and without decoding, the raw bytes :meth:`decode_raw` refuses."""
+        if not self.decodes_on_device:
+            raise CodecError(f"{self.spec}: decoded on the host only")
+        if isinstance(self.values, BlockwiseAbsmax):
+            self.values.check(raw, numel)
+            return
+        if raw.numel() != 4 * numel:
+            raise CodecError(f"{self.spec}: {raw.numel()} raw bytes, expected {4 * numel}")
+        self.values.decode(raw, numel)  # fp32: a view, finite or refused
+
+    def decode_on_device(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
+        """:meth:`decode_raw`'s values of raw bytes that :meth:`check_raw` passed and that were then
+        copied to a device: the same bits, computed there, with no host round trip (no check
+        waits for the device)."""
+        if not self.decodes_on_device:
+            raise CodecError(f"{self.spec}: decoded on the host only")
+        if isinstance(self.values, BlockwiseAbsmax):
+            return self.values.decode_on_device(raw, numel)
+        return reinterpret(raw, torch.float32)
+
     def fold_raw(
         self, raw: torch.Tensor, place: Place, total: torch.Tensor, weight: float, first: bool
     ) -> None:
@@ -425,9 +452,6 @@ class Pipeline:
         return bound
 
 
-_pinned = threading.local()
-
-
 def kept_on_device(kept: torch.Tensor, numel: int, device: torch.device) -> torch.Tensor:
     """A host-made sorted index set on ``device``, sent as a bit mask: an eighth of a byte per
     element instead of eight bytes per kept one."""
@@ -439,19 +463,12 @@ def kept_on_device(kept: torch.Tensor, numel: int, device: torch.device) -> torc
 
 
 def host_copy(raw: torch.Tensor) -> torch.Tensor:
-    """``raw`` (uint8) on the host: from CUDA through a per-thread pinned buffer, valid until the
-    thread's next call (the caller frames it first); a CPU tensor as it is."""
+    """``raw`` (uint8) on the host: from CUDA on the thread's side stream through its pinned
+    buffer (:mod:`.staging`), valid until the thread's next call (the caller frames it first);
+    a CPU tensor as it is."""
     if raw.device.type == "cpu":
         return raw
-    if raw.device.type != "cuda":
-        return raw.cpu()
-    buf: torch.Tensor | None = getattr(_pinned, "buf", None)
-    if buf is None or buf.numel() < raw.numel():
-        buf = _pinned.buf = torch.empty(raw.numel(), dtype=torch.uint8, pin_memory=True)
-    host = buf[: raw.numel()]
-    host.copy_(raw, non_blocking=True)
-    torch.cuda.current_stream(raw.device).synchronize()
-    return host
+    return thread_staging(raw.device).to_host(raw)
 
 
 def _parse_stage(text: str) -> StageArgs:

@@ -237,6 +237,36 @@ class BlockwiseAbsmax:
             raise CodecError(f"{self.spec}: code -128 is outside the grid")
         return done
 
+    def check(self, raw: torch.Tensor, numel: int) -> None:
+        """Refuse what :meth:`decode` refuses, without decoding: on the host, before the bytes
+        go to a device to be decoded there (:meth:`decode_on_device` checks nothing)."""
+        top = _GRIDS[self.bits][2]
+        body = raw[4 * self._steps(raw, numel).numel() :]
+        if not numel:
+            return
+        if self.bits == 8 and int(body.view(torch.int8).min()) < -top:
+            raise CodecError(f"{self.spec}: code -128 is outside the grid")
+        if self.bits != 8 and int(unpack_bits(body, self.bits, numel).max()) > top:
+            raise CodecError(f"{self.spec}: a code exceeds {top}")
+
+    def decode_on_device(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
+        """:meth:`decode`'s values, computed where ``raw`` is (bytes :meth:`check` passed): code
+        minus offset, times step, in fp32, so the same bits as the host's decoder."""
+        offset = _GRIDS[self.bits][1]
+        nb = n_blocks(numel, self.block)
+        step = reinterpret(raw[: 4 * nb], torch.float32)
+        body = raw[4 * nb :]
+        codes = body.view(torch.int8) if self.bits == 8 else unpack_bits(body, self.bits, numel)
+        out = torch.empty(numel, dtype=torch.float32, device=raw.device)
+        full = numel // self.block * self.block
+        for lo, hi in ((0, full), (full, numel)):
+            if hi > lo:
+                values = out[lo:hi].copy_(codes[lo:hi]).view(-1, min(self.block, hi - lo))
+                if offset:
+                    values.sub_(offset)
+                values.mul_(step[lo // self.block :, None][: values.shape[0]])
+        return out
+
     def decode(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
         _, offset, top = _GRIDS[self.bits]
         step = self._steps(raw, numel)

@@ -1,12 +1,13 @@
 """The collectives the ranks of one site use to agree and to pass compressed chunks.
 
 They run on the site's gloo control group (:func:`geodiloco.distributed.control_group`) with
-CPU tensors, whatever device the model is on: outcomes, join info and compressed bytes live on
-the host (see :mod:`geodiloco.distributed` for why).
+CPU tensors, whatever device the model is on and whatever group the user started: outcomes,
+join info and compressed bytes live on the host (see :mod:`geodiloco.distributed` for why).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import Any, TypeVar
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from geodiloco.compression import EncodedChunk
-from geodiloco.distributed import control_group
+from geodiloco.distributed import control_group, takes_cpu_tensors
 
 T = TypeVar("T")
 E = TypeVar("E", bound=IntEnum)
@@ -25,6 +26,13 @@ class SiteGroup:
     """The collectives the ranks of one site use to agree and to pass chunks (no-ops alone)."""
 
     def __init__(self, group: ProcessGroup | None = None) -> None:
+        """``group``: a gloo group of the site's ranks (default: the control group, made now on
+        every rank if the user's group cannot take CPU tensors)."""
+        if group is not None and not takes_cpu_tensors(group):
+            raise ValueError(
+                f"group: its backend {dist.get_backend(group)!r} cannot take the CPU tensors of the "
+                "site's control collectives; pass a gloo group, or none (geodiloco makes one)"
+            )
         self.group = group if group is not None else control_group()
         initialized = dist.is_initialized()
         self.world = dist.get_world_size(self.group) if initialized else 1
@@ -63,6 +71,14 @@ class SiteGroup:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, group=self.group)
         return int(t.item())
+
+    def sum_floats(self, values: Sequence[float]) -> list[float]:
+        """Each of ``values`` summed over the ranks (float64, on the host)."""
+        if not self.distributed:
+            return [float(v) for v in values]
+        t = torch.tensor(list(values), dtype=torch.float64)
+        dist.all_reduce(t, group=self.group)
+        return [float(v) for v in t]
 
     def share_chunk(self, chunk: EncodedChunk | None, src: int) -> EncodedChunk:
         """The chunk rank ``src`` pulled, on every rank (compressed bytes, one chunk at a time)."""

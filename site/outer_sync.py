@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from geodiloco.compression import ErrorFeedback, Pipeline, Place, parse_pipeline
+from geodiloco.compression.staging import Staging
 from geodiloco.config import RunConfig
 from geodiloco.exchange import LazyChunks, PulledPart, PullShare, PushPart, RoundReport, WireChunk
 from geodiloco.params import HASH_BLOCK, Checksum, canonical_parameters
@@ -192,6 +193,7 @@ class FragmentSync:
         return [self.owner.snapshot[i] for i in self.members]
 
     def digest(self, tensors: list[torch.Tensor] | None = None) -> str:
+        self.owner.staging.fence()  # the snapshot as the pulls' work on the side stream left it
         return _digest(self.shards, self.group, tensors)
 
     def name(self, round_: int) -> str:
@@ -306,6 +308,7 @@ class FragmentSync:
         """The parameters take the global values (local ← global), or with ``mix``
         local ← α·local + (1−α)·global."""
         alpha = self.owner.config.outer.mix_alpha
+        self.owner.staging.fence()  # the training stream reads the snapshot the pull wrote
         for piece, values in zip(self.shards.pieces, self.snapshot, strict=True):
             if mix and alpha:
                 piece.local.lerp_(values.to(piece.local.dtype), 1.0 - alpha)
@@ -328,6 +331,7 @@ class FragmentSync:
         one new buffer: the difference written straight into it, then the residual added in
         place (not a gathered copy of θ_r, and a second buffer for the sum)."""
         to_send = torch.empty(self.shards.owned_numel, dtype=torch.float32, device=self.shards.device)
+        self.owner.staging.fence()  # θ_r as the last pull left it
         at = 0
         for (owned, live), (_, base) in zip(
             self.shards.owned_views(), self.shards.owned_views(self.snapshot), strict=True
@@ -467,7 +471,7 @@ class FragmentSync:
         snapshot (:mod:`.pull_apply`) when it returns, and :meth:`apply` only checks it: the
         payloads are not kept past their chunk's application."""
         if self.group.world == 1 and self.as_pulled is None:
-            self.as_pulled = ApplyAsPulled(self.shards, lambda: self.snapshot)
+            self.as_pulled = ApplyAsPulled(self.shards, lambda: self.snapshot, self.owner.staging)
         return self.link.pull(
             PullShare(self.index, round_, full_state, self.group.rank, self.group.world),
             timeout_s=self.owner.pull_timeout_s,
@@ -518,10 +522,10 @@ class FragmentSync:
             chunk = self.group.share_chunk(pulled.chunks.get(seq) if self.group.rank == src else None, src)
             if not self.shards.holds(chunk.start, chunk.numel):
                 continue
-            values = codec.decode(
-                chunk.payload, chunk.numel, Place.span(pulled.round, chunk.start, chunk.numel)
+            place = Place.span(pulled.round, chunk.start, chunk.numel)
+            written += self.shards.scatter_encoded(
+                codec, chunk.payload, place, snapshot, self.owner.staging, add=not pulled.is_full_state
             )
-            written += self.shards.scatter_range(chunk.start, values, snapshot, add=not pulled.is_full_state)
         return written
 
 
@@ -569,6 +573,7 @@ class OuterSync:
         self.model: nn.Module | None = None
         self.shards: ShardMap | None = None
         self.snapshot: list[torch.Tensor] = []  # θ_r, laid out like the rank's local pieces
+        self.staging = Staging(torch.device("cpu"))  # the model's device's, from attach
         self.fragments: list[FragmentSync] = []
         self.merged: deque[Merged] = deque(maxlen=2 * outer.fragments)  # to report (rank 0)
         self.last_result: RoundResult | None = None
@@ -613,11 +618,14 @@ class OuterSync:
     def shard_count(self) -> int:
         return self.info.shard_count
 
-    def attach(self, model: nn.Module) -> nn.Module:
+    def attach(self, model: nn.Module, staging: Staging | None = None) -> nn.Module:
         """Bring ``model`` (already wrapped for its layout) to the run's current global parameters,
-        pulling the full state of a fragment only if it differs."""
+        pulling the full state of a fragment only if it differs. ``staging``: how the outer
+        sync's bytes cross between the host and the model's device (default: a side stream and
+        pinned buffers on a GPU, where updates are decoded; plain copies on the CPU)."""
         self.model = model
         self.shards = ShardMap(model, self.group.rank, self.group.world)
+        self.staging = staging if staging is not None else Staging(self.shards.device)
         if self.shards.num_params != self.info.num_params:
             raise ValueError(
                 f"model has {self.shards.num_params} parameters, the run has {self.info.num_params}"
@@ -652,6 +660,7 @@ class OuterSync:
         """The canonical state hash of the site's parameters (or of ``tensors`` laid out like them),
         each rank adding the elements it owns."""
         assert self.shards is not None
+        self.staging.fence()
         return _digest(self.shards, self.group, tensors)
 
     def step(self, tokens: int) -> bool:
@@ -718,6 +727,11 @@ class OuterSync:
     @property
     def pull_timeout_s(self) -> float:
         return self.config.round_timeout_s + 300
+
+    def sum_over_ranks(self, *values: float) -> list[float]:
+        """Each value summed over the site's ranks (call it on every rank), on the site's control
+        group: metrics stay on the host, whatever backend the model's group uses."""
+        return self.group.sum_floats(values)
 
     def report(
         self, eval_loss_sum: float, eval_count: int, train_loss: float, compute_seconds: float

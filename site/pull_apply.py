@@ -13,7 +13,9 @@ several streams calls the sink from each stream's thread: one chunk is applied a
 
 An update's chunk is hashed as it is added (:meth:`ShardMap.add_encoded_range`), so the state
 hash of the new snapshot is the sum of its chunks' checksums (:meth:`ApplyAsPulled.digest`), not
-another pass over the model.
+another pass over the model. On a GPU (a resident :class:`~geodiloco.compression.staging.Staging`)
+a chunk's raw bytes are copied to the device from a pinned buffer and decoded, added and hashed
+there on the staging's side stream; the hash's sums are read once, when the digest is asked for.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from collections.abc import Callable
 import torch
 
 from geodiloco.compression import EncodedChunk, Pipeline, Place, parse_pipeline
+from geodiloco.compression.staging import Staging
 from geodiloco.exchange import PulledPart, StreamFacts
-from geodiloco.params import Checksum
+from geodiloco.params import Checksum, DeviceSums
 from geodiloco.site.shards import ShardMap
 
 
@@ -36,13 +39,16 @@ class TornSnapshot(RuntimeError):
 class ApplyAsPulled:
     """An ``on_chunk`` sink that applies each chunk to the snapshot once (see the module)."""
 
-    def __init__(self, shards: ShardMap, snapshot: Callable[[], list[torch.Tensor]]) -> None:
+    def __init__(
+        self, shards: ShardMap, snapshot: Callable[[], list[torch.Tensor]], staging: Staging | None = None
+    ) -> None:
         self._shards = shards
         self._snapshot = snapshot
+        self._staging = staging if staging is not None else Staging(shards.device)
         self._facts: StreamFacts | None = None
         self._codec: Pipeline | None = None
         self._done: dict[int, tuple[int, int, int]] = {}  # seq -> start, numel, elements written
-        self._hashed: dict[int, Checksum | None] = {}  # seq -> what it wrote, hashed (None: not)
+        self._hashed: dict[int, Checksum | DeviceSums | None] = {}  # seq -> what it wrote, hashed
         self._lock = threading.Lock()
 
     @property
@@ -69,17 +75,18 @@ class ApplyAsPulled:
                 raise TornSnapshot(f"chunk {seq} of round {facts.round} came again with other elements")
             return
         written = 0
-        hashed: Checksum | None = Checksum()  # none of its elements held here: nothing to hash
+        hashed: Checksum | DeviceSums | None = Checksum()  # none of its elements held here
         if self._shards.holds(chunk.start, chunk.numel):
             assert self._codec is not None
             place = Place.span(facts.round, chunk.start, chunk.numel)
             if facts.is_full_state:
-                values = self._codec.decode(chunk.payload, chunk.numel, place)
-                written = self._shards.scatter_range(chunk.start, values, self._snapshot())
+                written = self._shards.scatter_encoded(
+                    self._codec, chunk.payload, place, self._snapshot(), self._staging
+                )
                 hashed = None
             else:
                 written, hashed = self._shards.add_encoded_range(
-                    self._codec, chunk.payload, place, self._snapshot()
+                    self._codec, chunk.payload, place, self._snapshot(), self._staging
                 )
         self._done[seq] = (chunk.start, chunk.numel, written)
         self._hashed[seq] = hashed
@@ -98,9 +105,10 @@ class ApplyAsPulled:
         if self._shards.owned_numel != self._shards.local_numel:
             return None  # replicas share the hash: each adds only what it owns
         total = Checksum()
-        for part in self._hashed.values():
-            assert part is not None
-            total = total.merge(part)
+        with self._staging.side():  # sums still on the device are read after the work that made them
+            for part in self._hashed.values():
+                assert part is not None
+                total = total.merge(part.settle() if isinstance(part, DeviceSums) else part)
         return total.hexdigest() if total.count == self._shards.local_numel else None
 
     @property

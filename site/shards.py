@@ -29,7 +29,14 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from geodiloco.compression import Pipeline, Place
-from geodiloco.params import Checksum, add_and_hash, add_encoded_and_hash, canonical_parameters
+from geodiloco.compression.staging import Staging
+from geodiloco.params import (
+    Checksum,
+    DeviceSums,
+    add_and_hash,
+    add_encoded_and_hash,
+    canonical_parameters,
+)
 from geodiloco.segment import Segment
 
 PP_DIM = "pp"  # the mesh dim of pipeline stages: ranks along it hold different parameters
@@ -344,15 +351,56 @@ class ShardMap:
                 for block in _overlaps(seg, start, end):
                     yield (i, *block)
 
+    def decode_range(
+        self, codec: Pipeline, data: bytes | memoryview, place: Place, staging: Staging
+    ) -> torch.Tensor:
+        """The values ``codec`` encoded in ``data`` at ``place``, on ``staging``'s device. With a
+        resident staging and a codec that decodes there, only the raw bytes cross (checked on the
+        host, copied on the side stream, decoded there); else they are decoded on the host and
+        the values copied through the staging. Queue what reads them under ``staging.side()``."""
+        numel = place.segment.numel
+        raw = codec.unpack(data, numel, place)
+        if staging.resident and codec.decodes_on_device:
+            codec.check_raw(raw, numel)  # refused before anything is written, as on the host
+            on_device = staging.to_device(raw)
+            with staging.side():
+                return codec.decode_on_device(on_device, numel)
+        return staging.to_device(codec.decode_raw(raw, numel, place))
+
+    def scatter_encoded(
+        self,
+        codec: Pipeline,
+        data: bytes | memoryview,
+        place: Place,
+        targets: list[torch.Tensor],
+        staging: Staging,
+        add: bool = False,
+    ) -> int:
+        """:meth:`scatter_range` of the values ``codec`` encoded in ``data`` at ``place``
+        (:meth:`decode_range`), written on ``staging``'s side stream."""
+        values = self.decode_range(codec, data, place, staging)
+        staging.after_current()
+        with staging.side():
+            return self.scatter_range(place.segment.start, values, targets, add=add)
+
     def add_encoded_range(
-        self, codec: Pipeline, data: bytes | memoryview, place: Place, targets: list[torch.Tensor]
-    ) -> tuple[int, Checksum | None]:
+        self,
+        codec: Pipeline,
+        data: bytes | memoryview,
+        place: Place,
+        targets: list[torch.Tensor],
+        staging: Staging | None = None,
+    ) -> tuple[int, Checksum | DeviceSums | None]:
         """:meth:`scatter_range` ``add=True`` of the values ``codec`` encoded in ``data`` at
         ``place``, hashing the new elements as they are written (the state hash then needs no
         pass of its own): how many it wrote, and their checksum (None when a written block is
         not one run of the canonical vector, e.g. rows of a sharded matrix). A chunk inside one
-        piece is added straight from its codes, its fp32 values never written out."""
+        piece is added straight from its codes, its fp32 values never written out. With a
+        resident ``staging`` the values are decoded, added and hashed on the device, on its side
+        stream (the checksum's sums stay there until settled)."""
         start, numel = place.segment.start, place.segment.numel
+        if staging is not None and staging.resident and codec.decodes_on_device:
+            return self._add_on_device(codec, data, place, targets, staging)
         raw = codec.unpack(data, numel, place)
         blocks = list(self._blocks(start, start + numel))
         if len(blocks) == 1:
@@ -372,6 +420,31 @@ class ShardMap:
                 runs = False
             written += (r1 - r0) * (c1 - c0)
         return written, checksum if runs else None
+
+    def _add_on_device(
+        self,
+        codec: Pipeline,
+        data: bytes | memoryview,
+        place: Place,
+        targets: list[torch.Tensor],
+        staging: Staging,
+    ) -> tuple[int, DeviceSums | None]:
+        start, numel = place.segment.start, place.segment.numel
+        values = self.decode_range(codec, data, place, staging)
+        staging.after_current()  # the targets as the calling thread's stream last left them
+        with staging.side():
+            written, sums, runs = 0, DeviceSums(values.device), True
+            for i, (r0, r1), (c0, c1), (v0, v_stride) in self._blocks(start, start + numel):
+                if r1 - r0 == 1:
+                    run = targets[i][r0, c0:c1]
+                    run.add_(values[v0 : v0 + c1 - c0])
+                    sums.add_range(start + v0, run)
+                else:
+                    block = values.as_strided((r1 - r0, c1 - c0), (v_stride, 1), values.storage_offset() + v0)
+                    targets[i][r0:r1, c0:c1].add_(block)
+                    runs = False
+                written += (r1 - r0) * (c1 - c0)
+        return written, sums if runs else None
 
 
 def _on_device_of(values: torch.Tensor, targets: list[torch.Tensor]) -> torch.Tensor:

@@ -24,7 +24,6 @@ from typing import NoReturn
 
 import grpc
 import torch
-import torch.distributed as dist
 
 import geodiloco.site.parallel.checkpoint as checkpoint
 from geodiloco import faults, logs
@@ -230,24 +229,20 @@ def train(
         )
         closed = sync.last_result.round if sync.last_result is not None else trained_round
         train_loss = round_train_loss(losses, trained_round, closed)  # NaN after a resync
-        totals = torch.tensor([eval_sum, float(eval_count), train_loss], dtype=torch.float64)
-        dist.all_reduce(totals)
-        totals[:2] /= layout.tp  # tensor-parallel ranks evaluated the same slice
-        sync.report(float(totals[0]), int(totals[1]), float(totals[2]) / world, compute_s)
+        # summed over the site's ranks on its control group (host values, whatever the backend)
+        summed = sync.sum_over_ranks(eval_sum, eval_count, train_loss)
+        site_eval_sum, site_eval_count = summed[0] / layout.tp, summed[1] / layout.tp  # TP: one slice
+        site_loss = summed[2] / world
+        eval_loss = site_eval_sum / site_eval_count if site_eval_count else math.nan
+        sync.report(site_eval_sum, round(site_eval_count), site_loss, compute_s)
         if rank == 0:
             log.info(
                 "round %d done: train loss %s, eval slice loss %.4f",
                 closed,
-                f"{float(totals[2]) / world:.4f}"
-                if closed == trained_round
-                else f"- (trained round {trained_round})",
-                float(totals[0] / totals[1]),
+                f"{site_loss:.4f}" if closed == trained_round else f"- (trained round {trained_round})",
+                eval_loss,
             )
-        telemetry.round(  # ops
-            train_loss=float(totals[2]) / world,
-            eval_loss=float(totals[0] / totals[1]),
-            sync_seconds=sync_s,
-        )
+        telemetry.round(train_loss=site_loss, eval_loss=eval_loss, sync_seconds=sync_s)  # ops
         losses.clear()
         every = options.checkpoint_every
         if options.checkpoint_dir is not None and every and sync.round % every == 0 and not sync.finished:

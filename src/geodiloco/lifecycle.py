@@ -80,9 +80,11 @@ class GracefulStop:
         import torch
         import torch.distributed as dist
 
+        from geodiloco.distributed import control_group
+
         flag = torch.tensor([1 if self._asked() else 0], dtype=torch.int32)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # a CPU flag: the gloo control group
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group())
         if flag.item() and not self.stopping:
             log.info("stop requested: leaving the run")
         self.stopping = bool(flag.item())

@@ -94,6 +94,12 @@ def _mix(positions: np.ndarray, values: torch.Tensor) -> tuple[int, int]:
 def _mix_on_device(positions: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
     """The same sums for a tensor on an accelerator, with torch's int64 ops where the values are
     (integer arithmetic wraps the same way on any device, so the bits match the CPU path)."""
+    low, high = _mix_sums_on_device(positions, values)
+    return int(low), int(high)
+
+
+def _mix_sums_on_device(positions: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_mix_on_device`'s sums as 0-d int64 tensors where the values are (nothing waits)."""
     x = positions.to(values.device).mul_(_signed(_GOLDEN))
     scratch = values.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
     x += scratch.bitwise_and_(_LOW32)
@@ -103,9 +109,9 @@ def _mix_on_device(positions: torch.Tensor, values: torch.Tensor) -> tuple[int, 
         x ^= scratch
         if factor != 1:
             x *= factor
-    low = int(torch.bitwise_and(x, _LOW32, out=scratch).sum())
+    low = torch.bitwise_and(x, _LOW32, out=scratch).sum()
     torch.bitwise_right_shift(x, 32, out=scratch)
-    high = int(scratch.bitwise_and_(_LOW32).sum())
+    high = scratch.bitwise_and_(_LOW32).sum()
     return low, high
 
 
@@ -170,6 +176,39 @@ class Checksum:
 
     def hexdigest(self) -> str:
         return hashlib.sha256(f"{self.low}:{self.high}:{self.count}".encode()).hexdigest()
+
+
+class DeviceSums:
+    """A :class:`Checksum` whose sums are still on the device: runs are added to it without the
+    host waiting, and it is read once (:meth:`settle`, after the work that made it). int64 sums of
+    up to 2^31 elements stay exact (each element adds under 2^32)."""
+
+    LIMIT = 1 << 31
+
+    def __init__(self, device: torch.device) -> None:
+        self.low = torch.zeros((), dtype=torch.int64, device=device)
+        self.high = torch.zeros((), dtype=torch.int64, device=device)
+        self.count = 0
+
+    def add_range(self, start: int, values: torch.Tensor) -> None:
+        """Add a contiguous run of canonical elements starting at ``start`` (as
+        :meth:`Checksum.add_range`), where ``values`` are."""
+        flat = values.detach().reshape(-1)
+        if self.count + flat.numel() >= self.LIMIT:
+            raise ValueError(f"{self.count + flat.numel()} elements: past what int64 sums hold exactly")
+        for a in range(0, flat.numel(), DEVICE_HASH_BLOCK):
+            part = flat[a : a + DEVICE_HASH_BLOCK]
+            end = start + a + part.numel()
+            low, high = _mix_sums_on_device(
+                torch.arange(start + a, end, dtype=torch.int64, device=flat.device), part
+            )
+            self.low += low
+            self.high += high
+        self.count += flat.numel()
+
+    def settle(self) -> Checksum:
+        """The sums as a :class:`Checksum` (reads the device: call it once the work is done)."""
+        return Checksum(int(self.low), int(self.high), self.count)
 
 
 def add_and_hash(

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from geodiloco.app.wan import LinkConfig, ProxyThread
+from geodiloco.compression.staging import Staging
 from geodiloco.faults import FAULT_PLAN_ENV, fired
 from geodiloco.params import flatten_parameters, state_hash
 from geodiloco.site import connect
@@ -23,10 +24,16 @@ from geodiloco.workload import build_model
 pytestmark = pytest.mark.integration
 
 
-def train_site(target: str, name: str, results: dict[str, list[str]], params: dict[str, list[str]]) -> None:
+def train_site(
+    target: str,
+    name: str,
+    results: dict[str, list[str]],
+    params: dict[str, list[str]],
+    staging: Staging | None = None,
+) -> None:
     sync = connect(target, name)
     cfg = sync.config
-    model = sync.attach(build_model(cfg.model, cfg.seed))
+    model = sync.attach(build_model(cfg.model, cfg.seed), staging)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr)
     gen = torch.Generator().manual_seed(hash(name) % 1000)
     hashes, params[name] = [], []
@@ -112,6 +119,35 @@ def test_a_pull_broken_midway_is_applied_once(tmp_path: Path, monkeypatch: pytes
         assert fired(plan)[0]["fault"] == {**fired(plan)[0]["fault"], **drop}
         expected = [coordinator.controller.hashes[r] for r in (1, 2, 3)]
         assert results["site-a"] == results["site-b"] == expected
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_a_site_that_decodes_on_its_device_holds_the_same_global_state(overlap: int) -> None:
+    """site-a takes the device-resident path (updates decoded, added and hashed where its model
+    is, through a staging whose copies are plain on the CPU), site-b the host path: the same
+    state hash as the coordinator's after every round, and the same global state bit for bit.
+    The full state a late site takes goes the device-resident way too."""
+    cfg = tiny_config(rounds=3, outer__overlap_steps=overlap, min_sites=2)
+    resident = Staging(torch.device("cpu"), resident=True)
+    with CoordinatorThread(cfg) as coordinator:
+        results: dict[str, list[str]] = {}
+        threads = [
+            threading.Thread(target=train_site, args=(coordinator.target, n, results, {}, s))
+            for n, s in (("site-a", resident), ("site-b", None))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        expected = [coordinator.controller.hashes[r] for r in (1, 2, 3)]
+        assert results["site-a"] == results["site-b"] == expected
+        assert all(h.hashes_agree and len(h.hash_reports) == 2 for h in coordinator.controller.history)
+        late = connect(coordinator.target, "site-b")
+        model = late.attach(build_model(cfg.model, cfg.seed), Staging(torch.device("cpu"), resident=True))
+        assert torch.equal(
+            flatten_parameters(model).view(torch.int32), coordinator.controller.theta.view(torch.int32)
+        )
+        late.close()
 
 
 def test_late_site_catches_up_from_full_state() -> None:

@@ -8,6 +8,7 @@ from torch import nn
 
 from geodiloco.compression import EncodedChunk, Place, encode_chunks, envelope, parse_pipeline
 from geodiloco.compression.codec_error import CodecError
+from geodiloco.compression.staging import Staging
 from geodiloco.exchange import PulledPart, StreamFacts
 from geodiloco.params import state_hash
 from geodiloco.site.pull_apply import ApplyAsPulled, TornSnapshot
@@ -106,4 +107,48 @@ def test_a_chunk_with_a_code_off_the_grid_changes_nothing() -> None:
     before = [t.clone() for t in snapshot]
     with pytest.raises(CodecError, match="-128"):
         ApplyAsPulled(shards, lambda: snapshot)(0, bad, StreamFacts(False, "q8", 4, "hash"))
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot, strict=True))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("spec", ["q8|zstd:1", "q4:64", "q2:33|zstd:1", "fp32"])
+def test_decoded_on_the_device_the_snapshot_and_hash_are_the_host_paths(device: str, spec: str) -> None:
+    """The device-resident path (raw bytes copied through the staging, decoded, added and hashed
+    where the snapshot is; on the CPU its copies are plain ones) against the host path: the same
+    snapshot bit for bit and the same state hash, update and full state alike."""
+    shards = ShardMap(model_on(device), 0, 1)
+    codec = parse_pipeline(spec)
+    chunks, _ = encode_chunks(codec, torch.randn(shards.num_params) * 1e-2, 300, round_=3)
+    results = []
+    for staging in (
+        Staging(torch.device("cpu"), resident=False),
+        Staging(torch.device(device), resident=True),
+    ):
+        for full_state in (False, True):
+            snapshot = ShardMap(model_on(device), 0, 1).clone_locals()
+            facts = StreamFacts(full_state, spec, 3, "hash")
+            sink = ApplyAsPulled(shards, lambda snapshot=snapshot: snapshot, staging)
+            for seq, chunk in enumerate(chunks):
+                sink(seq, chunk, facts)
+            values = shards.gather_owned(snapshot).cpu()
+            results.append((values.view(torch.int32), sink.digest(pulled_part(chunks, facts))))
+            if not full_state:
+                assert results[-1][1] == state_hash(values)  # hashed as added, on either path
+    host_update, host_state, device_update, device_state = results
+    for host, on_device in ((host_update, device_update), (host_state, device_state)):
+        assert torch.equal(host[0], on_device[0]) and host[1] == on_device[1]
+
+
+def test_decoded_on_the_device_a_code_off_the_grid_is_refused_before_anything_is_written() -> None:
+    shards = ShardMap(nn.Linear(100, 100, bias=False), 0, 1)
+    snapshot = shards.clone_locals()
+    q8 = parse_pipeline("q8")
+    chunk = encode_chunks(q8, torch.randn(shards.num_params) * 1e-2, 9000, round_=4)[0][0]
+    raw = q8.unpack(chunk.payload, chunk.numel).clone()
+    raw[-1] = 0x80
+    bad = EncodedChunk(chunk.start, chunk.numel, envelope.seal(q8.tag, chunk.numel, raw.numpy().tobytes()))
+    before = [t.clone() for t in snapshot]
+    sink = ApplyAsPulled(shards, lambda: snapshot, Staging(torch.device("cpu"), resident=True))
+    with pytest.raises(CodecError, match="-128"):
+        sink(0, bad, StreamFacts(False, "q8", 4, "hash"))
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot, strict=True))

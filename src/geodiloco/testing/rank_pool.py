@@ -17,6 +17,7 @@ the pool closes, as each rank process had to.
 
 from __future__ import annotations
 
+import importlib
 import os
 import queue
 import socket
@@ -175,6 +176,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _named(spec: str) -> Callable[..., Any]:
+    """The function ``module:function`` names (imported in the rank, after its paths are set)."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _site_rank(
     site: str,
     rank: int,
@@ -184,13 +191,17 @@ def _site_rank(
     log: str,
     env: dict[str, str],
     paths: list[str],
+    entry: str | None,
+    prepare: str | None,
     out: Any,
 ) -> None:
     """One rank of a site as `geodiloco site run` starts it: the daemon's entry point
-    (:func:`geodiloco.site.daemon.worker.main`) in the environment torchrun gives a rank (and the
-    launcher's ``OMP_NUM_THREADS``), its output appended to the site's log as torchrun's is.
-    ``env`` and ``paths`` (on ``sys.path``, as ``PYTHONPATH`` would put them) are the
-    environment the test gives its sites; both are undone after the task."""
+    (:func:`geodiloco.site.daemon.worker.main`, or ``entry``) in the environment torchrun gives
+    a rank (and the launcher's ``OMP_NUM_THREADS``), its output appended to the site's log as
+    torchrun's is. ``env`` and ``paths`` (on ``sys.path``, as ``PYTHONPATH`` would put them) are
+    the environment the test gives its sites; both are undone after the task. ``prepare``
+    (``module:function``) runs first, in that environment (e.g. to start the default group with
+    a backend of the test's); ``entry`` and ``prepare`` are imported from ``paths``."""
     from geodiloco.site.daemon import worker
 
     path = list(sys.path)
@@ -212,7 +223,9 @@ def _site_rank(
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     try:
-        worker.main(argv)
+        if prepare is not None:
+            _named(prepare)()
+        (_named(entry) if entry is not None else worker.main)(argv)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -231,21 +244,28 @@ def start_sites(
     logs: Path,
     env: Mapping[str, str] | None = None,
     paths: Sequence[str] = (),
+    prepare: Mapping[str, str] | None = None,
+    entries: Mapping[str, str] | None = None,
 ) -> None:
     """Start sites ``{name: (ranks, daemon flags)}`` of the coordinator at ``target``, each a
     process group of pooled ranks running the site daemon on the CPU; each logs to
     ``logs/<name>.log``. ``pool.wait(timeout)`` returns once every rank has left; a rank that
     fails fails the test. ``env``: variables set in the ranks; ``paths``: put on their
-    ``sys.path`` (as ``PYTHONPATH``).
+    ``sys.path`` (as ``PYTHONPATH``); ``prepare``: a site's ``module:function`` run on each of
+    its ranks before the entry point; ``entries``: a site's own entry point (``module:function``, taking argv)
+    instead of the daemon's: a training loop of the user's, given ``--coordinator`` and
+    ``--site`` before the site's flags.
 
     What only `geodiloco site run` itself does (the launcher, torchrun, a site killed or
     signalled) is tested with real site processes elsewhere."""
     tasks = []
     for name, (ranks, flags) in sites.items():
         port = _free_port()
-        argv = ["--coordinator", target, "--site", name, "--device", "cpu", *flags]
+        entry, before = (entries or {}).get(name), (prepare or {}).get(name)
+        argv = ["--coordinator", target, "--site", name, *([] if entry else ["--device", "cpu"]), *flags]
         log = str(logs / f"{name}.log")
-        tasks += [(name, r, ranks, port, argv, log, dict(env or {}), list(paths)) for r in range(ranks)]
+        common = (argv, log, dict(env or {}), list(paths), entry, before)
+        tasks += [(name, r, ranks, port, *common) for r in range(ranks)]
     pool.submit(_site_rank, tasks)
 
 
@@ -257,7 +277,9 @@ def run_sites(
     timeout: float = 300,
     env: Mapping[str, str] | None = None,
     paths: Sequence[str] = (),
+    prepare: Mapping[str, str] | None = None,
+    entries: Mapping[str, str] | None = None,
 ) -> None:
     """:func:`start_sites`, then wait for every rank to leave (``timeout`` seconds at most)."""
-    start_sites(pool, target, sites, logs, env, paths)
+    start_sites(pool, target, sites, logs, env, paths, prepare, entries)
     pool.wait(timeout)
