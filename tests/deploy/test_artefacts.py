@@ -14,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,22 @@ def _structural_dockerfile_check(text: str) -> None:
     user = re.findall(r"^USER (\S+)$", text, flags=re.M)
     assert user and user[-1] not in ("root", "0")
     assert 'ENTRYPOINT ["geodiloco"]' in text
+
+
+def test_the_image_takes_the_extras_as_a_build_argument() -> None:
+    """The Hugging Face route and fp8 need only --build-arg EXTRAS=..., not an edited file: the
+    install line takes the argument, and its default and every value the docs show are extras
+    pyproject.toml has."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    default = re.search(r"^ARG EXTRAS=(\S+)$", text, flags=re.M)
+    assert default is not None
+    assert re.search(r'^RUN pip install --no-cache-dir "\.\[\$\{EXTRAS\}\]"', text, flags=re.M)
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    shown = re.findall(r"--build-arg EXTRAS=(\S+)", text + (DEPLOY / "README.md").read_text())
+    assert shown, "the docs show no EXTRAS build argument"
+    for value in (default.group(1), *shown):
+        assert set(value.split(",")) <= extras, f"EXTRAS={value}: not all in {sorted(extras)}"
+    assert {"hf", "fp8"} <= {e for v in shown for e in v.split(",")}
 
 
 def test_grafana_dashboard_uses_only_metrics_that_exist() -> None:
