@@ -289,7 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_pages()  # before gRPC's threads allocate: see geodiloco/pages.py
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(site=args.site, rank=rank)
-    layout = ParallelConfig.parse(args.layout, int(os.environ.get("WORLD_SIZE", "1")), args.mixed_precision)
+    world, nodes = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    layout = ParallelConfig.parse(args.layout, world, args.mixed_precision, nodes)  # torchrun's nodes
     tls = TlsFiles(*args.tls) if args.tls else None
     secret = load_secret(args.secret) if args.secret else None  # every rank pushes its own part
     options = SiteOptions(layout, args.checkpoint_dir, args.checkpoint_every, args.device, args.streams)

@@ -14,16 +14,17 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tomllib
 import warnings
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
+import tomllib
 import torch
 import yaml
 from prometheus_client import CollectorRegistry
+from systemd_units import Roots, Unit
 
 from geodiloco.app.cli import build_parser, main
 from geodiloco.config import load_config
@@ -31,7 +32,6 @@ from geodiloco.coordinator.round_metrics import CoordinatorMetrics
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.prometheus import SiteTelemetry
 from geodiloco.testing.configs import tiny_config
-from systemd_units import Roots, Unit
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -13,15 +13,15 @@ import warnings
 from pathlib import Path
 
 import pytest
+from systemd_units import EXECUTABLE, SYSTEMD, Roots, Unit, sandbox_problem, sandboxed
 
-from geodiloco.security.sealing import Keyring
 from geodiloco.security.pki import PkiDir
 from geodiloco.security.policy import ServerSecurity
+from geodiloco.security.sealing import Keyring
 from geodiloco.security.secrets import load_secret
 from geodiloco.testing.configs import tiny_config
 from geodiloco.testing.processes import kill_tree
 from geodiloco.testing.servers import CoordinatorThread, free_port
-from systemd_units import EXECUTABLE, SYSTEMD, Roots, Unit, sandbox_problem, sandboxed
 
 pytestmark = pytest.mark.integration
 SITE = "site-1"
@@ -46,7 +46,10 @@ def env_file(pki: Path, coordinator: str) -> str:
 
 
 def test_the_site_unit_runs_and_checkpoints_where_it_may_write(tmp_path: Path) -> None:
-    unit, roots = Unit.read("geodiloco-site@.service"), Roots(str(tmp_path / "var/lib"), str(tmp_path / "cache"))
+    unit, roots = (
+        Unit.read("geodiloco-site@.service"),
+        Roots(str(tmp_path / "var/lib"), str(tmp_path / "cache")),
+    )
     cfg = tiny_config(sites=[SITE], rounds=3)
     pki = PkiDir(tmp_path / "pki")
     pki.init()
