@@ -39,6 +39,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -115,9 +116,12 @@ def gpu_tests(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         for case in suite.iter("testcase")
         if case.find("failure") is not None or case.find("error") is not None
     ]
+    modules = {case.get("classname", "") for case in suite.iter("testcase")}  # a.b.test_x[.TestClass]
+    files = {m.rpartition(".")[0] if m.rpartition(".")[2].startswith("Test") else m for m in modules}
     return {
         "check": "gpu-tests",
         "device": args.device,
+        "files": sorted(f.replace(".", "/") + ".py" for f in files),
         "selected": counts["tests"],
         "passed": passed,
         "skipped": counts["skipped"],
@@ -447,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=400.0)
     parser.add_argument("--smoke", action="store_true", help="a tiny model: seconds, on any device")
     args = parser.parse_args(argv)
+    # the shell's step limit (timeout) sends SIGTERM: leave through the finally blocks, which
+    # kill this check's coordinator and sites with their children
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     if args.check == "agree" and args.precision == "fp8":
         from geodiloco.site.parallel.layout import precision_problem
 
