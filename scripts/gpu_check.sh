@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# The GPU check: at most ~8 minutes on one GPU. Prints what it ran and one JSON line per check;
-# exits non-zero if a gpu-marked test fails or the GPU and CPU sites ever disagree.
-#   1. the gpu-marked tests (device-parametrised hash, placement and codec tests on CUDA)
-#   2. a 2-site run: one rank on the GPU in bf16 against a CPU site in fp32, hashes every round
+# The GPU check, as a user runs it on one lent GPU: at most 8 minutes (the steps' limits add up to 480 s). Prints what it ran and one
+# JSON line per check (also kept in $GPU_CHECK_OUT); runs every step, then exits non-zero if any
+# check failed (a gpu-marked test, a hash disagreement, a loss out of noise, a failed resume).
+#   1. every gpu-marked test of the whole tests/ tree (selected by the marker)
+#   2. a GPU site (bf16) against a CPU site (fp32), hashes every round
 #   3. the same with fp8 (torchao float8 linears) where the GPU supports it, else says why not
-#   4. a site of 2 GPU ranks in pipeline stages (pp=2), then one splitting a mixture of experts
-#      (ep, bf16): hashes every round (fewer than 2 GPUs: says so, one JSON line each)
-#   5. throughput: a ~100M-parameter model on the GPU in bf16, H=100 inner steps per round:
-#      inner tokens/s without and with the outer sync, and the outer sync's share of wall time
-# scripts/gpu_check.sh --smoke runs the same steps on the CPU with tiny models (seconds; tested).
-set -euo pipefail
+#   4. one GPU rank: the plain model, DDP, FSDP2 and the per-block options (activation
+#      checkpointing, compile) trained alike; losses within noise of the plain model's
+#   5. a DCP checkpoint saved by a GPU site, resumed on the CPU: what loads hashes to what was
+#      saved, and the run's hashes agree every round
+#   6. sites of 2 GPU ranks: pipeline stages (pp=2), a mixture of experts split over them (ep)
+#      (fewer than 2 GPUs: says so, one JSON line each)
+#   7. benchmarks/inner.py on the GPU (~100M parameters): tokens/s of a plain loop against the
+#      same loop with the outer sync at H=100
+# scripts/gpu_check.sh --smoke runs every step on the CPU with tiny models (tests/site/test_gpu_check.py).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [[ -x "$PY" ]] || PY=python3
@@ -24,32 +29,55 @@ fi
 
 if [[ "${1:-}" == "--smoke" ]]; then
   DEVICE=cpu
+  SCALE=4  # a loaded CPU machine: more time per step than a GPU machine's 16 cores need
   export OMP_NUM_THREADS=1  # tiny models, many processes: more threads only contend for the cores
-  AGREE=(--smoke --rounds 2 --steps 3)
-  LAYOUTS=(--smoke --rounds 2 --steps 3)
-  THROUGHPUT=(--smoke --rounds 3 --steps 5)
+  SIZE=(--smoke)
+  AGREE=(--rounds 2 --steps 3)
+  ONE_RANK=(--steps 4 --precision fp32)  # fp32: the wrappers must give the plain model's bits
+  CKPT=(--rounds 4 --steps 40)  # rounds long enough that the site is killed mid-run
+  LAYOUTS=(--rounds 2 --steps 3)
+  INNER=(--rounds 3 --steps 5)
 else
   DEVICE=cuda
+  SCALE=1
+  SIZE=()
   AGREE=(--rounds 3 --steps 20)
+  ONE_RANK=(--steps 20 --precision bf16)
+  CKPT=(--rounds 6 --steps 50)
   LAYOUTS=(--rounds 3 --steps 20)
-  THROUGHPUT=(--rounds 3 --steps 100 --batch 16)
+  INNER=(--rounds 3 --steps 100 --batch 16)
   nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader || true
   "$PY" -c 'import torch; assert torch.cuda.is_available(), "torch sees no CUDA device"
-print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' || exit 2
 fi
 
-echo "== 1. gpu-marked tests"
-timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/site tests/compression/test_device_codec.py 2>&1 | tee "$OUT/gpu-tests.txt"
-echo "== 2. GPU site (bf16) against a CPU site"
-timeout 180 "$PY" scripts/gpu_check.py agree --device "$DEVICE" --precision bf16 "${AGREE[@]}" \
-  | tee "$OUT/agree-bf16.json"
-echo "== 3. GPU site (fp8) against a CPU site"
-timeout 180 "$PY" scripts/gpu_check.py agree --device "$DEVICE" --precision fp8 "${AGREE[@]}" \
-  | tee "$OUT/agree-fp8.json"
-echo "== 4. pp and ep sites on the GPUs"
-timeout 360 "$PY" scripts/gpu_check.py layouts --device "$DEVICE" --precision bf16 "${LAYOUTS[@]}" \
-  | tee "$OUT/layouts.jsonl"
-echo "== 5. throughput, outer sync share at H=100"
-timeout 240 "$PY" scripts/gpu_check.py throughput --device "$DEVICE" --precision bf16 "${THROUGHPUT[@]}" \
-  | tee "$OUT/throughput.json"
-echo "== done: $OUT"
+failed=()
+started=$SECONDS
+step() {  # step NAME TIMEOUT CHECK ARGS...: one check's JSON lines to the screen and $OUT/NAME.jsonl
+  local name=$1 limit=$2 began=$SECONDS
+  shift 2
+  limit=$((limit * SCALE))
+  echo "== $name (at most $limit s)" >&2
+  timeout --kill-after=30 "$limit" "$PY" scripts/gpu_check.py "$@" --device "$DEVICE" "${SIZE[@]}" 2>"$OUT/$name.log" \
+    | tee "$OUT/$name.jsonl"
+  local code=${PIPESTATUS[0]}
+  if [[ $code -ne 0 ]]; then
+    failed+=("$name")
+    echo "{\"check\": \"$name\", \"ok\": false, \"exit\": $code, \"log\": \"$OUT/$name.log\"}" \
+      | tee -a "$OUT/$name.jsonl"
+  fi
+  echo "== $name: $((SECONDS - began)) s" >&2
+}
+
+step gpu-tests 90 tests
+step agree-bf16 60 agree --precision bf16 "${AGREE[@]}"
+step agree-fp8 60 agree --precision fp8 "${AGREE[@]}"
+step one-rank 60 one-rank "${ONE_RANK[@]}"
+step checkpoint 60 checkpoint --precision bf16 "${CKPT[@]}"
+step layouts 60 layouts --precision bf16 "${LAYOUTS[@]}"
+step inner 90 inner --precision bf16 "${INNER[@]}"
+echo "== done in $((SECONDS - started)) s: $OUT" >&2
+if ((${#failed[@]})); then
+  echo "gpu_check: failed: ${failed[*]}" >&2
+  exit 1
+fi

@@ -21,7 +21,7 @@ from pathlib import Path
 from geodiloco.lifecycle import StopRequest
 from geodiloco.security.tls import TlsFiles
 
-REFUSAL_FILE_ENV = "GEODILOCO_REFUSAL_FILE"  # where rank 0 writes a Join refusal (site.worker)
+REFUSAL_FILE_ENV = "GEODILOCO_REFUSAL_FILE"  # where a node's ranks write a Join refusal (site.worker)
 EXIT_REFUSED = 78  # EX_CONFIG: restarting the site unchanged cannot help
 
 
@@ -124,8 +124,9 @@ def run_site(
         args += ["--tls", str(tls.cert), str(tls.key), str(tls.ca)]
     if secret is not None:
         args += ["--secret", str(secret)]
-    # a Join refusal: rank 0 prints it once and writes it here, every rank leaves quietly (no
-    # tracebacks, no torchrun failure box) and this node's launcher exits EXIT_REFUSED
+    # a Join refusal: rank 0 passes it to every node's ranks (the rendezvous store), each node's
+    # local rank 0 prints it once and its ranks write it here, every rank leaves quietly (no
+    # tracebacks, no torchrun failure box) and every node's launcher exits EXIT_REFUSED
     with tempfile.TemporaryDirectory(prefix="geodiloco-site-") as scratch:
         refusal = Path(scratch) / "refused"
         code = run_torchrun(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import datetime
 import gc
 import json
 import logging
@@ -63,6 +64,7 @@ from geodiloco.workload.steps import evaluate_batches, inner_step
 
 log = logging.getLogger("geodiloco.site")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+REFUSAL_KEY = "geodiloco/join-refused"  # in the site's rendezvous store: the refusal, for every node
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,35 +130,57 @@ def round_train_loss(losses: list[float], trained_round: int, closed_round: int)
     return sum(losses) / len(losses)
 
 
-def exit_refused(rank: int, refusal: BaseException) -> NoReturn:
-    """The coordinator refused the site at Join: say why in one line (rank 0), not in every
-    rank's traceback and torchrun's failure box. Under `geodiloco site run` every rank leaves
-    with status 0 and the launcher, finding the refusal written down, exits EXIT_REFUSED."""
+def site_store(timeout_s: float = 10.0) -> dist.Store | None:
+    """The key-value store torchrun's rendezvous gives every rank of the site, on every node
+    (MASTER_ADDR:MASTER_PORT; node 0's torchrun hosts it and keeps it up until every node's ranks
+    have finished); None outside torchrun."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def exit_refused(local_rank: int, line: str) -> NoReturn:
+    """The coordinator refused the site at Join: say why in one line per node (its local rank 0),
+    not in every rank's traceback and torchrun's failure box. Under `geodiloco site run` every
+    rank leaves with status 0 and each node's launcher, finding the refusal written down in its
+    node's file, exits EXIT_REFUSED."""
     refusal_file = os.environ.get(REFUSAL_FILE_ENV)
-    if rank == 0:
-        if isinstance(refusal, grpc.RpcError):
-            why = f"{refusal.code().name}: {refusal.details()}"
-        else:
-            why = str(refusal)
-        line = f"join refused: {why}"
+    if local_rank == 0:
         print(f"geodiloco site: {line}", file=sys.stderr, flush=True)
-        if refusal_file:
-            Path(refusal_file).write_text(line + "\n")
+    if refusal_file:
+        Path(refusal_file).write_text(line + "\n")
     logging.shutdown()
     os._exit(0 if refusal_file else EXIT_REFUSED)  # no process group teardown: a peer has gone
 
 
-def join_refusal(rank: int, exc: BaseException) -> BaseException | None:
-    """The coordinator's refusal behind a failure to join, or None (a lost coordinator, a bug).
+def join_refusal(rank: int, exc: BaseException) -> str | None:
+    """The coordinator's refusal behind a failure to join, as one line, or None (a lost
+    coordinator, a bug).
 
-    Rank 0 finds it in the error (the link raises its domain error from the gRPC status); the
-    other ranks, whose broadcast broke when rank 0 left, find it written down by rank 0."""
+    Rank 0 finds it in the error (the link raises its domain error from the gRPC status) and
+    writes it to the site's rendezvous store before it leaves; the other ranks, on whichever
+    node, whose broadcast broke when rank 0 left, read it there."""
     if rank != 0:
-        refusal_file = os.environ.get(REFUSAL_FILE_ENV)
-        return exc if refusal_file is not None and Path(refusal_file).exists() else None
+        try:
+            store = site_store()
+            found = store is not None and store.check([REFUSAL_KEY])
+            return store.get(REFUSAL_KEY).decode() if store is not None and found else None
+        except (RuntimeError, OSError):  # no store to ask: not a refusal we know of
+            return None
     for cause in (exc, exc.__cause__):
         if isinstance(cause, KeyMismatch) or (isinstance(cause, grpc.RpcError) and not transient(cause)):
-            return cause
+            why = (
+                f"{cause.code().name}: {cause.details()}" if isinstance(cause, grpc.RpcError) else str(cause)
+            )
+            line = f"join refused: {why}"
+            try:
+                store = site_store()
+                if store is not None:
+                    store.set(REFUSAL_KEY, line)
+            except (RuntimeError, OSError):  # the other ranks then fail as before
+                log.warning("could not tell the site's other ranks of the refusal")
+            return line
     return None
 
 
@@ -177,7 +201,7 @@ def train(
     except Exception as exc:
         refusal = join_refusal(rank, exc)
         if refusal is not None:
-            exit_refused(rank, refusal)
+            exit_refused(ctx.local_rank, refusal)
         raise
     cfg = sync.config
     link.wait_for_coordinator(cfg.round_timeout_s)
@@ -284,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_pages()  # before gRPC's threads allocate: see geodiloco/pages.py
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(site=args.site, rank=rank)
-    layout = ParallelConfig.parse(args.layout, int(os.environ.get("WORLD_SIZE", "1")), args.mixed_precision)
+    world, nodes = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    layout = ParallelConfig.parse(args.layout, world, args.mixed_precision, nodes)  # torchrun's nodes
     tls = TlsFiles(*args.tls) if args.tls else None
     secret = load_secret(args.secret) if args.secret else None  # every rank pushes its own part
     options = SiteOptions(layout, args.checkpoint_dir, args.checkpoint_every, args.device, args.streams)

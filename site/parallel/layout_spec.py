@@ -36,15 +36,16 @@ class ParallelConfig:
     ep: int = 1
 
     @classmethod
-    def parse(cls, text: str, world: int, mixed_precision: str = "fp32") -> ParallelConfig:
-        """``ddp``, ``fsdp``, ``tp``, ``hsdp`` (2 replicas of FSDP), ``fsdp+tp`` (TP of 2), ``ep``
-        (DDP with the experts split over all ranks), or
-        ``pp=P,dp_replicate=R,dp_shard=S,tp=T,ep=E[,microbatches=M]``."""
+    def parse(cls, text: str, world: int, mixed_precision: str = "fp32", nodes: int = 1) -> ParallelConfig:
+        """``ddp``, ``fsdp``, ``tp``, ``hsdp`` (FSDP2 inside each of the site's ``nodes``, a replica
+        per node; on one node, 2 replicas), ``fsdp+tp`` (TP of 2), ``ep`` (DDP with the experts
+        split over all ranks), or ``pp=P,dp_replicate=R,dp_shard=S,tp=T,ep=E[,microbatches=M]``."""
+        replicas = nodes if nodes > 1 else 2
         presets = {
             "ddp": {"dp_replicate": world},
             "fsdp": {"dp_shard": world},
             "tp": {"tp": world},
-            "hsdp": {"dp_replicate": 2, "dp_shard": world // 2},
+            "hsdp": {"dp_replicate": replicas, "dp_shard": world // replicas},
             "fsdp+tp": {"dp_shard": world // 2, "tp": 2},
             "ep": {"dp_replicate": world, "ep": world},
         }

@@ -20,9 +20,11 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import tomllib
 import torch
 import yaml
 from prometheus_client import CollectorRegistry
+from systemd_units import Roots, Unit
 
 from geodiloco.app.cli import build_parser, main
 from geodiloco.config import load_config
@@ -149,22 +151,16 @@ def test_compose_brings_up_a_coordinator_and_two_sites_with_generated_certs(tmp_
 
 
 def _systemd_command_lines() -> list[list[str]]:
-    """ExecStart of each unit, with the example environment files and %i=site-1 filled in."""
+    """ExecStart of each unit, with its environment (the example files over Environment=) and
+    %i=site-1 filled in."""
     lines = []
-    for unit, env_file in (
+    for name, env_file in (
         ("geodiloco-coordinator.service", "coordinator.env.example"),
         ("geodiloco-site@.service", "site.env.example"),
     ):
-        env = dict(
-            line.split("=", 1)
-            for line in (DEPLOY / "systemd" / env_file).read_text().splitlines()
-            if line and not line.startswith("#")
-        )
-        env["STATE_DIRECTORY"] = "/var/lib/geodiloco"
-        text = (DEPLOY / "systemd" / unit).read_text().replace("\\\n", " ")
-        exec_start = next(line for line in text.splitlines() if line.startswith("ExecStart="))
-        command = re.sub(r"\$\{(\w+)\}", lambda m, env=env: env[m.group(1)], exec_start.split("=", 1)[1])
-        lines.append(shlex.split(command.replace("%i", "site-1"))[1:])
+        unit, roots = Unit.read(name), Roots()
+        env = unit.environment((DEPLOY / "systemd" / env_file).read_text(), "site-1", roots)
+        lines.append(unit.exec_start(env, "site-1", roots)[1:])
     return lines
 
 
@@ -224,9 +220,38 @@ def _structural_unit_check(text: str) -> None:
         "User=geodiloco",
         "KillSignal=SIGTERM",
         "Restart=on-failure",
+        "RestartPreventExitStatus=",
         "EnvironmentFile=",
+        "StateDirectory=",
+        "ProtectSystem=strict",
     ):
         assert re.search(rf"^{re.escape(key)}", text, flags=re.M), key
+
+
+def test_a_final_exit_stays_down() -> None:
+    """A site refused at Join exits 78 (EX_CONFIG) and the coordinator exits 2 on a refusal a
+    restart cannot change: Restart=on-failure must not start either again, forever."""
+    from geodiloco.site.daemon.launcher import EXIT_REFUSED
+
+    site, coordinator = Unit.read("geodiloco-site@.service"), Unit.read("geodiloco-coordinator.service")
+    assert site.values("Restart") == coordinator.values("Restart") == ["on-failure"]
+    assert str(EXIT_REFUSED) in site.values("RestartPreventExitStatus")[0].split()
+    assert "2" in coordinator.values("RestartPreventExitStatus")[0].split()
+
+
+def test_every_path_a_unit_writes_is_one_it_may_write() -> None:
+    """Under ProtectSystem=strict the run directory and the checkpoints must lie in a writable path."""
+    roots = Roots()
+    for name, env_file, flag in (
+        ("geodiloco-coordinator.service", "coordinator.env.example", "--run-dir"),
+        ("geodiloco-site@.service", "site.env.example", "--checkpoint-dir"),
+    ):
+        unit = Unit.read(name)
+        env = unit.environment((DEPLOY / "systemd" / env_file).read_text(), "site-1", roots)
+        argv = unit.exec_start(env, "site-1", roots)
+        written = Path(argv[argv.index(flag) + 1])
+        allowed = [Path(p) for p in unit.writable("site-1", roots)]
+        assert any(written.is_relative_to(p) for p in allowed), (name, written, allowed)
 
 
 def test_dockerfile_passes_hadolint_and_the_structural_check() -> None:
@@ -259,6 +284,22 @@ def _structural_dockerfile_check(text: str) -> None:
     user = re.findall(r"^USER (\S+)$", text, flags=re.M)
     assert user and user[-1] not in ("root", "0")
     assert 'ENTRYPOINT ["geodiloco"]' in text
+
+
+def test_the_image_takes_the_extras_as_a_build_argument() -> None:
+    """The Hugging Face route and fp8 need only --build-arg EXTRAS=..., not an edited file: the
+    install line takes the argument, and its default and every value the docs show are extras
+    pyproject.toml has."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    default = re.search(r"^ARG EXTRAS=(\S+)$", text, flags=re.M)
+    assert default is not None
+    assert re.search(r'^RUN pip install --no-cache-dir "\.\[\$\{EXTRAS\}\]"', text, flags=re.M)
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    shown = re.findall(r"--build-arg EXTRAS=(\S+)", text + (DEPLOY / "README.md").read_text())
+    assert shown, "the docs show no EXTRAS build argument"
+    for value in (default.group(1), *shown):
+        assert set(value.split(",")) <= extras, f"EXTRAS={value}: not all in {sorted(extras)}"
+    assert {"hf", "fp8"} <= {e for v in shown for e in v.split(",")}
 
 
 def test_grafana_dashboard_uses_only_metrics_that_exist() -> None:

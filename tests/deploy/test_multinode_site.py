@@ -48,7 +48,10 @@ def test_indexed_job_forms_one_site_of_gpu_nodes_with_a_shared_checkpoint_volume
         assert (args.nnodes, args.nproc, args.device) == (nodes, gpus, "cuda")
         node = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, rdzv_id=args.name)
         assert f"--rdzv-conf=is_host={'true' if index == 0 else 'false'}" in node.torchrun_args()
-        ParallelConfig.parse(args.layout, args.nproc * args.nnodes, args.mixed_precision)
+        layout = ParallelConfig.parse(
+            args.layout, args.nproc * args.nnodes, args.mixed_precision, args.nnodes
+        )
+        assert (layout.dp_replicate, layout.dp_shard) == (nodes, gpus)  # hsdp: a replica per node
     host, port = args.rdzv_endpoint.rsplit(":", 1)
     assert host == f"{job['metadata']['name']}-0.{service['metadata']['name']}"  # pod 0's DNS name
     assert int(port) in {p["containerPort"] for p in container["ports"]}

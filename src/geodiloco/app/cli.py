@@ -450,7 +450,7 @@ def _site_run(args: argparse.Namespace) -> int:
 
     try:
         nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, rdzv_id=args.name)
-        ParallelConfig.parse(args.layout, args.nproc * args.nnodes, args.mixed_precision)
+        ParallelConfig.parse(args.layout, args.nproc * args.nnodes, args.mixed_precision, args.nnodes)
     except (LayoutError, NodesError) as exc:
         raise UsageError(f"--{exc}") from None
     if args.mixed_precision == "fp8" and args.device == "cpu":  # each GPU rank checks its own GPU

@@ -7,6 +7,7 @@ import torch
 
 from geodiloco.app.cli import main
 from geodiloco.site.daemon.launcher import Nodes, NodesError, worker_command
+from geodiloco.site.parallel.layout_spec import LayoutError, ParallelConfig
 
 
 def test_one_node_is_standalone_and_many_meet_at_node_0() -> None:
@@ -37,6 +38,24 @@ def test_one_node_is_standalone_and_many_meet_at_node_0() -> None:
 def test_bad_node_settings_name_the_flag(nodes: tuple[int, int, str | None], message: str) -> None:
     with pytest.raises(NodesError, match=message):
         Nodes(*nodes)
+
+
+@pytest.mark.parametrize(("nodes", "per_node"), [(2, 8), (3, 8), (4, 2), (5, 1)])
+def test_hsdp_shards_inside_each_node_and_replicates_across_them(nodes: int, per_node: int) -> None:
+    """Any node count, not just two: a replica per node, FSDP2 over the node's own ranks (the
+    mesh's inner dim, which torchrun fills with one node's consecutive ranks)."""
+    layout = ParallelConfig.parse("hsdp", nodes * per_node, "bf16", nodes)
+    assert (layout.dp_replicate, layout.dp_shard, layout.name) == (
+        nodes,
+        per_node,
+        "hsdp" if per_node > 1 else "ddp",
+    )
+
+
+def test_hsdp_on_one_node_keeps_two_replicas_and_says_when_they_do_not_fit() -> None:
+    assert ParallelConfig.parse("hsdp", 8) == ParallelConfig(dp_replicate=2, dp_shard=4)
+    with pytest.raises(LayoutError, match="dp_replicate 2 x dp_shard 1 x tp 1 must equal the site's 3 ranks"):
+        ParallelConfig.parse("hsdp", 3)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal needs a machine without CUDA")

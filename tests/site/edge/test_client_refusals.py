@@ -14,7 +14,7 @@ from geodiloco.site.daemon.launcher import EXIT_REFUSED
 from geodiloco.site.daemon.worker import round_train_loss
 from geodiloco.testing.configs import tiny_config
 from geodiloco.testing.processes import kill_tree, spawn_geodiloco
-from geodiloco.testing.servers import CoordinatorThread
+from geodiloco.testing.servers import CoordinatorThread, free_port
 
 
 def test_train_loss_is_reported_only_for_the_round_it_trained() -> None:
@@ -46,6 +46,34 @@ def test_a_site_refused_at_join_says_why_in_one_line(tmp_path: Path) -> None:
     )
     assert "Traceback" not in output and "ChildFailedError" not in output, output
     assert code == EXIT_REFUSED
+
+
+@pytest.mark.integration
+def test_a_refusal_reaches_every_node_of_a_site(tmp_path: Path) -> None:
+    """A site of two nodes (two `geodiloco site run` processes meeting through torchrun's
+    rendezvous, as in tests/integration/test_multinode.py), refused at Join: the node without
+    global rank 0 learns why too, says it once and exits 78, not with a traceback."""
+    rdzv = f"127.0.0.1:{free_port()}"
+    with CoordinatorThread(tiny_config(limits__max_world_size=1)) as coordinator:
+        nodes = []
+        for rank in (0, 1):
+            args = ["site", "run", "--name", "site-a", "--coordinator", coordinator.target, "--insecure"]
+            args += ["--nproc", "1", "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", rdzv]
+            nodes.append(spawn_geodiloco(args, tmp_path / f"node{rank}.log"))
+        try:
+            codes = [node.wait(timeout=180) for node in nodes]
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    kill_tree(node)
+    for rank, code in enumerate(codes):
+        output = (tmp_path / f"node{rank}.log").read_text()
+        refusals = [line for line in output.splitlines() if "join refused" in line]
+        assert refusals == [
+            "geodiloco site: join refused: INVALID_ARGUMENT: world_size 2 exceeds limits.max_world_size 1"
+        ], output
+        assert "Traceback" not in output and "ChildFailedError" not in output, output
+        assert code == EXIT_REFUSED, (rank, output)
 
 
 @pytest.mark.integration
