@@ -25,6 +25,7 @@ from typing import NoReturn
 
 import grpc
 import torch
+import torch.distributed as dist
 
 import geodiloco.site.parallel.checkpoint as checkpoint
 from geodiloco import faults, logs
