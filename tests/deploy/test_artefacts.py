@@ -322,3 +322,19 @@ def _sample_names(registry: CollectorRegistry) -> set[str]:
         suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"]}.get(family.type, [""])
         names |= {family.name + s for s in suffixes}
     return names
+
+
+@pytest.mark.parametrize("manifest", ["k8s/site.yaml", "k8s/multinode/site.yaml"])
+def test_a_site_job_fails_on_a_final_exit_instead_of_restarting(manifest: str) -> None:
+    """Exit 78 (refused at Join) is final: the Job's podFailurePolicy fails it at once, which
+    Kubernetes allows only with restartPolicy Never (OnFailure would restart the container)."""
+    from geodiloco.site.daemon.launcher import EXIT_REFUSED
+
+    job = next(doc for doc in _documents(DEPLOY / manifest) if doc["kind"] == "Job")
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    site = [c["name"] for c in pod["containers"]]
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    final = [r for r in rules if r["action"] == "FailJob" and EXIT_REFUSED in r["onExitCodes"]["values"]]
+    assert final and final[0]["onExitCodes"]["operator"] == "In"
+    assert final[0]["onExitCodes"]["containerName"] in site
