@@ -51,6 +51,7 @@ from geodiloco.site.edge.client import transient
 from geodiloco.site.edge.grpc_link import GrpcLink
 from geodiloco.site.outer_sync import OuterSync
 from geodiloco.site.parallel.layout import (
+    ACTIVATION_CHECKPOINTING,
     PRECISIONS,
     LayoutError,
     ParallelConfig,
@@ -280,6 +281,8 @@ def main(argv: list[str] | None = None) -> None:
         "--layout", default="ddp", help="ddp, fsdp, hsdp, tp, fsdp+tp, ep or pp=P,dp_replicate=R,..."
     )
     parser.add_argument("--mixed-precision", default="fp32", choices=PRECISIONS)
+    parser.add_argument("--activation-checkpointing", default="none", choices=ACTIVATION_CHECKPOINTING)
+    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--checkpoint-dir", type=Path)
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--device", default="auto", choices=DEVICES)
@@ -289,7 +292,13 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_pages()  # before gRPC's threads allocate: see geodiloco/pages.py
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(site=args.site, rank=rank)
-    layout = ParallelConfig.parse(args.layout, int(os.environ.get("WORLD_SIZE", "1")), args.mixed_precision)
+    layout = ParallelConfig.parse(
+        args.layout,
+        int(os.environ.get("WORLD_SIZE", "1")),
+        args.mixed_precision,
+        activation_checkpointing=args.activation_checkpointing,
+        compile=args.compile,
+    )
     tls = TlsFiles(*args.tls) if args.tls else None
     secret = load_secret(args.secret) if args.secret else None  # every rank pushes its own part
     options = SiteOptions(layout, args.checkpoint_dir, args.checkpoint_every, args.device, args.streams)
