@@ -7,8 +7,8 @@ on the device; the counts of what ran.
 fp8) and one on the CPU (fp32); passes when both sites report the coordinator's hash every round.
 
 ``one-rank``: the layouts' wrappers on one rank of the device (a process group of one, NCCL on a
-GPU): the plain model, DDP, FSDP2, and the per-block options (activation checkpointing, compile)
-where this branch has them, each trained for the same steps on the same batches from the same
+GPU): the plain model, DDP, FSDP2, and the per-block options (activation checkpointing, compile),
+each trained for the same steps on the same batches from the same
 seed; each passes when its losses stay within noise of the plain model's (and says whether its
 parameters came out bit for bit the same).
 
@@ -21,13 +21,8 @@ precision yet), then one of two GPU ranks splitting a mixture of experts (``ep``
 when the site reports the coordinator's (CPU-computed) hash every round. Fewer than two GPUs:
 said, not failed.
 
-``inner``: ``benchmarks/inner.py`` on the device (tokens/s of a plain loop against the same loop
-with geodiloco's outer sync); where this branch has no such script, ``throughput`` (the same
-question asked by this script, without the plain loop) runs instead and the line says so.
-
-``throughput``: one site rank on the GPU trains a ~100M-parameter reference model against a real
-coordinator; reports inner tokens/s without the outer sync (inner steps only) and with it (wall
-time of whole rounds), and the outer sync's share of the wall time at H inner steps per round.
+``inner``: ``benchmarks/inner.py`` on the device at ~100M parameters (tokens/s of a plain loop
+against the same loop with geodiloco's outer sync at H inner steps per round).
 
 Each takes ``--device cpu`` and ``--smoke`` so that its CPU side is tested without a GPU.
 """
@@ -35,7 +30,6 @@ Each takes ``--device cpu`` and ``--smoke`` so that its CPU side is tested witho
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -58,7 +52,6 @@ from geodiloco.testing.processes import SitesRun, kill_tree, spawn_geodiloco, wa
 ROOT = Path(__file__).resolve().parents[1]
 
 # ~100M parameters: 14 blocks of 12 d^2 at d=768 (byte vocabulary: the embeddings are small)
-MODEL_100M = {"n_layer": 14, "n_head": 12, "d_model": 768, "seq_len": 256}
 MODEL_SMOKE = {"n_layer": 1, "n_head": 2, "d_model": 32, "seq_len": 16}
 MODEL_AGREE = {"n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 64}  # fp8 needs dims % 16
 MODEL_SMOKE_STAGES = {**MODEL_SMOKE, "n_layer": 2}  # a block per stage
@@ -73,8 +66,6 @@ OPTIONS = {
     "compile": {"compile": True},
 }
 LOSS_NOISE = 0.02  # relative: different arithmetic (bf16 policies, compiled kernels) for a few steps
-# benchmarks/inner.py's flags for a ~100M-parameter model on the device (none: its defaults)
-INNER_FLAGS: list[str] = []
 
 
 def run_config(
@@ -245,12 +236,8 @@ def one_rank_variants(precision: str, device: torch.device) -> dict[str, Callabl
         "ddp": lambda model: autocast(DistributedDataParallel(model, device_ids=ids)),
         "fsdp": fsdp,
     }
-    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
     for name, options in OPTIONS.items():
-        missing = sorted(set(options) - fields)
-        variants[name] = (
-            f"not on this branch: ParallelConfig has no {missing[0]}" if missing else with_options(options)
-        )
+        variants[name] = with_options(options)
     return variants
 
 
@@ -357,15 +344,22 @@ def checkpoint(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def inner(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
-    """benchmarks/inner.py on the device, its rows as JSON lines; where the script is not on this
-    branch, the throughput check instead."""
-    script = ROOT / "benchmarks" / "inner.py"
-    if not script.exists():
-        note = {"check": "inner", "device": args.device, "skipped": "not on this branch: benchmarks/inner.py"}
-        return [note, throughput(args, workdir)]
+    """benchmarks/inner.py on the device, its rows as JSON lines."""
     out = workdir / "inner.json"
-    command = [sys.executable, str(script), "--device", args.device, "--json", str(out)]
-    command += ["--smoke"] if args.smoke else INNER_FLAGS
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "inner.py"),
+        "--device",
+        args.device,
+        "--json",
+        str(out),
+    ]
+    if args.smoke:
+        command += ["--smoke"]
+    else:
+        precision = "fp32" if args.precision == "fp32" else "bf16"
+        command += ["--params", "100M", "--mixed-precision", precision, "--steps", str(args.steps)]
+        command += ["--rounds", str(args.rounds), "--batch", str(args.batch)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     print(done.stdout[-4000:], file=sys.stderr)
     if done.returncode != 0 or not out.exists():
@@ -375,60 +369,6 @@ def inner(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     return [{"check": "inner", **row, "ok": row.get("tokens_per_s_geodiloco", 0) > 0} for row in rows]
 
 
-def throughput(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from geodiloco.builders import build_data, build_model, build_optimizer
-    from geodiloco.site import connect
-    from geodiloco.site.parallel.layout import Autocast
-    from geodiloco.workload.steps import inner_step
-
-    device = torch.device(args.device)
-    model_shape, batch = (MODEL_SMOKE, 4) if args.smoke else (MODEL_100M, args.batch)
-    cfg = run_config(["site-gpu"], args.rounds, args.steps, model_shape, batch)
-    coordinator, target = start_coordinator(cfg, workdir)
-    try:
-        sync = connect(target, "site-gpu")
-        model = build_model(sync.config).to(device)
-        sync.attach(model)
-        params = sum(p.numel() for p in model.parameters())
-        trained = Autocast(model, device.type) if args.precision == "bf16" else model
-        optimizer = build_optimizer(model, sync.config)
-        data = build_data(sync.config)
-        inner_s = sync_s = 0.0
-        tokens = 0
-        rounds = 0
-        while not sync.finished:
-            started = time.perf_counter()
-            batch_ = tuple(t.to(device) for t in data.batch(sync.data, sync.steps_in_round, 0, 1))
-            step = sync.round * cfg.inner.steps_per_round + sync.steps_in_round
-            inner_step(trained, optimizer, cfg.inner, step, *batch_)  # returns a float: synchronises
-            step_tokens = data.tokens(batch_)
-            between = time.perf_counter()
-            synced = sync.step(tokens=step_tokens)
-            ended = time.perf_counter()
-            if rounds > 0:  # round 0 warms up (allocator, kernels, the coordinator's first commit)
-                inner_s += between - started
-                sync_s += ended - between
-                tokens += step_tokens
-            rounds += synced
-        sync.close()
-        request_shutdown(target, None)
-        coordinator.wait(timeout=60)
-    finally:
-        if coordinator.poll() is None:
-            kill_tree(coordinator)
-    return {
-        "check": "throughput",
-        "device": args.device,
-        "precision": args.precision,
-        "params": params,
-        "inner_steps_per_round": args.steps,
-        "measured_rounds": rounds - 1,
-        "tokens_per_s_inner_only": tokens / inner_s,
-        "tokens_per_s_with_outer_sync": tokens / (inner_s + sync_s),
-        "outer_sync_share": sync_s / (inner_s + sync_s),
-    }
-
-
 CHECKS: dict[str, Callable[[argparse.Namespace, Path], Any]] = {
     "tests": gpu_tests,
     "agree": lambda args, w: agree(args, w),
@@ -436,7 +376,6 @@ CHECKS: dict[str, Callable[[argparse.Namespace, Path], Any]] = {
     "checkpoint": checkpoint,
     "layouts": layouts,
     "inner": inner,
-    "throughput": throughput,
 }
 
 
@@ -447,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp8"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="inner steps per round (H)")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step (throughput)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step (inner)")
     parser.add_argument("--timeout", type=float, default=400.0)
     parser.add_argument("--smoke", action="store_true", help="a tiny model: seconds, on any device")
     args = parser.parse_args(argv)

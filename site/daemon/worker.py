@@ -52,6 +52,7 @@ from geodiloco.site.edge.client import transient
 from geodiloco.site.edge.grpc_link import GrpcLink
 from geodiloco.site.outer_sync import OuterSync
 from geodiloco.site.parallel.layout import (
+    ACTIVATION_CHECKPOINTING,
     PRECISIONS,
     LayoutError,
     ParallelConfig,
@@ -300,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
         "--layout", default="ddp", help="ddp, fsdp, hsdp, tp, fsdp+tp, ep or pp=P,dp_replicate=R,..."
     )
     parser.add_argument("--mixed-precision", default="fp32", choices=PRECISIONS)
+    parser.add_argument("--activation-checkpointing", default="none", choices=ACTIVATION_CHECKPOINTING)
+    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--checkpoint-dir", type=Path)
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--device", default="auto", choices=DEVICES)
@@ -310,7 +313,14 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(site=args.site, rank=rank)
     world, nodes = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-    layout = ParallelConfig.parse(args.layout, world, args.mixed_precision, nodes)  # torchrun's nodes
+    layout = ParallelConfig.parse(  # torchrun's nodes
+        args.layout,
+        world,
+        args.mixed_precision,
+        nodes,
+        activation_checkpointing=args.activation_checkpointing,
+        compile=args.compile,
+    )
     tls = TlsFiles(*args.tls) if args.tls else None
     secret = load_secret(args.secret) if args.secret else None  # every rank pushes its own part
     options = SiteOptions(layout, args.checkpoint_dir, args.checkpoint_every, args.device, args.streams)

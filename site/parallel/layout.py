@@ -3,10 +3,11 @@ pipeline stages (PP).
 
 Each site chooses its own layout (``geodiloco site run --layout fsdp``); the wire never sees
 it. Parallelism is applied with plain functions on an ordinary ``nn.Module``, in the order
-torchtitan uses: tensor parallel first, then FSDP2 over the data-parallel dims (HSDP when some
-of them replicate), or DDP when every rank holds the whole model. With ``pp=N`` the model is cut
-into N stages first (:mod:`geodiloco.site.parallel.pipeline_stages`) and the data-parallel wrapping applies to
-each stage over its own ranks.
+torchtitan uses: tensor parallel first, then activation checkpointing and ``torch.compile`` per
+block when asked (:mod:`geodiloco.site.parallel.per_block`), then FSDP2 over the data-parallel
+dims (HSDP when some of them replicate), or DDP when every rank holds the whole model. With
+``pp=N`` the model is cut into N stages first (:mod:`geodiloco.site.parallel.pipeline_stages`) and
+the rest applies to each stage over its own ranks.
 
 Mixed precision as people run it: ``bf16`` is FSDP2's ``MixedPrecisionPolicy`` (bf16 compute
 parameters, fp32 gradient reduction) when the layout shards, else bf16 autocast around the
@@ -33,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from geodiloco.site.parallel import plans
 from geodiloco.site.parallel.experts import apply_expert_parallel, expert_mesh
+from geodiloco.site.parallel.layout_spec import ACTIVATION_CHECKPOINTING as ACTIVATION_CHECKPOINTING
 from geodiloco.site.parallel.layout_spec import FP8_CAPABILITY as FP8_CAPABILITY
 from geodiloco.site.parallel.layout_spec import FP8_MULTIPLE as FP8_MULTIPLE
 from geodiloco.site.parallel.layout_spec import MESH_DIMS as MESH_DIMS
@@ -41,6 +43,7 @@ from geodiloco.site.parallel.layout_spec import PRECISIONS as PRECISIONS
 from geodiloco.site.parallel.layout_spec import PRESETS as PRESETS
 from geodiloco.site.parallel.layout_spec import LayoutError as LayoutError
 from geodiloco.site.parallel.layout_spec import ParallelConfig as ParallelConfig
+from geodiloco.site.parallel.per_block import apply_block_options
 from geodiloco.site.parallel.pipeline_stages import Pipelined, split_stage
 from geodiloco.workload.model import ByteGPT
 
@@ -155,14 +158,16 @@ def parallelize(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> n
 
 
 def data_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
-    """FSDP2 over the data-parallel dims that shard (HSDP when some replicate), else DDP where
-    they replicate, else ``model`` itself (under bf16 autocast when asked)."""
+    """Expert parallel (with DDP only), the per-block options (activation checkpointing,
+    compile), then FSDP2 over the data-parallel dims that shard (HSDP when some replicate), else
+    DDP where they replicate, else ``model`` itself (under bf16 autocast when asked)."""
+    if config.ep > 1:
+        apply_expert_parallel(model, expert_mesh(config.ep, mesh.device_type), config.data_parallel)
+    apply_block_options(model, config)
     if config.dp_shard > 1:
         dims = ("dp_replicate", "dp_shard") if config.dp_replicate > 1 else ("dp_shard",)
         apply_fsdp(model, mesh[dims], config.mixed_precision)
         return model
-    if config.ep > 1:
-        apply_expert_parallel(model, expert_mesh(config.ep, mesh.device_type), config.data_parallel)
     trained: nn.Module = model
     if config.dp_replicate > 1:
         trained = DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group())
@@ -175,7 +180,10 @@ def layout_summary(config: ParallelConfig) -> str:
     world = dist.get_world_size() if dist.is_initialized() else 1
     stages = f"pp={config.pp} x {config.stage_microbatches} microbatches, " if config.pp > 1 else ""
     experts = f", ep={config.ep}" if config.ep > 1 else ""
+    options = f", activation checkpointing {config.activation_checkpointing}"
+    options = options if config.activation_checkpointing != "none" else ""
+    options += ", compiled blocks" if config.compile else ""
     return (
         f"{config.name} over {world} ranks ({stages}dp_replicate={config.dp_replicate}, "
-        f"dp_shard={config.dp_shard}, tp={config.tp}{experts}, {config.mixed_precision})"
+        f"dp_shard={config.dp_shard}, tp={config.tp}{experts}, {config.mixed_precision}{options})"
     )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 PRESETS = ("ddp", "fsdp", "hsdp", "tp", "fsdp+tp", "ep")
 PRECISIONS = ("fp32", "bf16", "fp8")
+ACTIVATION_CHECKPOINTING = ("none", "block", "selective")  # parallel.activation_checkpointing
 FP8_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper onwards
 FP8_MULTIPLE = 16  # torchao float8 matmuls need both dims of a weight divisible by 16
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -25,7 +26,13 @@ class ParallelConfig:
     fp8; ``microbatches``: how many a pipeline splits each batch into (0: one per stage).
 
     ``ep``: the data-parallel ranks split each mixture-of-experts layer's experts in groups of
-    ``ep`` (:mod:`geodiloco.site.parallel.experts`); it divides them rather than multiplying the ranks."""
+    ``ep`` (:mod:`geodiloco.site.parallel.experts`); it divides them rather than multiplying the ranks.
+
+    ``activation_checkpointing`` (``none``, ``block``: recompute each transformer block in the
+    backward, ``selective``: keep each block's matmul and attention outputs, recompute the rest)
+    and ``compile`` (``torch.compile`` each block) are applied per block before FSDP2 or DDP
+    (:mod:`geodiloco.site.parallel.per_block`); neither changes a parameter's name or the layout's
+    ranks."""
 
     pp: int = 1
     dp_replicate: int = 1
@@ -34,9 +41,29 @@ class ParallelConfig:
     mixed_precision: str = "fp32"
     microbatches: int = 0
     ep: int = 1
+    activation_checkpointing: str = "none"
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise LayoutError(
+                f"parallel.activation_checkpointing: {self.activation_checkpointing!r} is not one of "
+                f"{', '.join(ACTIVATION_CHECKPOINTING)}"
+            )
+        if not isinstance(self.compile, bool):
+            raise LayoutError(f"parallel.compile: expected true or false, got {self.compile!r}")
 
     @classmethod
-    def parse(cls, text: str, world: int, mixed_precision: str = "fp32", nodes: int = 1) -> ParallelConfig:
+    def parse(
+        cls,
+        text: str,
+        world: int,
+        mixed_precision: str = "fp32",
+        nodes: int = 1,
+        *,
+        activation_checkpointing: str = "none",
+        compile: bool = False,
+    ) -> ParallelConfig:
         """``ddp``, ``fsdp``, ``tp``, ``hsdp`` (FSDP2 inside each of the site's ``nodes``, a replica
         per node; on one node, 2 replicas), ``fsdp+tp`` (TP of 2), ``ep`` (DDP with the experts
         split over all ranks), or ``pp=P,dp_replicate=R,dp_shard=S,tp=T,ep=E[,microbatches=M]``."""
@@ -61,7 +88,12 @@ class ParallelConfig:
                         f"layout: {item!r} is not one of {', '.join(PRESETS)} or {'|'.join(known)}=N[,...]"
                     )
                 sizes[key.strip()] = int(value)
-        config = cls(**sizes, mixed_precision=mixed_precision)
+        config = cls(
+            **sizes,
+            mixed_precision=mixed_precision,
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
+        )
         config.check(world)
         return config
 

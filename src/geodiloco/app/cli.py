@@ -203,6 +203,18 @@ def build_parser() -> argparse.ArgumentParser:
         "fp8: torchao float8 linears on GPUs of compute capability 8.9+ (geodiloco[fp8])",
     )
     run.add_argument(
+        "--activation-checkpointing",
+        default="none",
+        choices=("none", "block", "selective"),
+        help="parallel.activation_checkpointing: recompute each transformer block in the backward "
+        "(block), or all but its matmul and attention outputs (selective); default none",
+    )
+    run.add_argument(
+        "--compile",
+        action="store_true",
+        help="parallel.compile: torch.compile each transformer block (needs a C++ compiler on CPU)",
+    )
+    run.add_argument(
         "--checkpoint-dir",
         type=Path,
         help="torch.distributed.checkpoint of the site's state; resumed on start",
@@ -450,7 +462,14 @@ def _site_run(args: argparse.Namespace) -> int:
 
     try:
         nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, rdzv_id=args.name)
-        ParallelConfig.parse(args.layout, args.nproc * args.nnodes, args.mixed_precision, args.nnodes)
+        ParallelConfig.parse(
+            args.layout,
+            args.nproc * args.nnodes,
+            args.mixed_precision,
+            args.nnodes,
+            activation_checkpointing=args.activation_checkpointing,
+            compile=args.compile,
+        )
     except (LayoutError, NodesError) as exc:
         raise UsageError(f"--{exc}") from None
     if args.mixed_precision == "fp8" and args.device == "cpu":  # each GPU rank checks its own GPU
@@ -466,6 +485,9 @@ def _site_run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{exc}") from None
     extra = ["--layout", args.layout, "--mixed-precision", args.mixed_precision, "--device", args.device]
     extra += ["--streams", str(args.streams)]
+    if args.activation_checkpointing != "none":
+        extra += ["--activation-checkpointing", args.activation_checkpointing]
+    extra += ["--compile"] if args.compile else []
     if args.checkpoint_every and args.checkpoint_dir is None:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
     if args.checkpoint_dir is not None:
