@@ -126,7 +126,9 @@ class LevelQuantizer:
         if self.scale == "absmax":
             y = y.clamp(-1.0, 1.0)
         table = self._table(device)
-        codes = torch.bucketize(y, (table[1:] + table[:-1]) / 2)
+        bounds = (table[1:] + table[:-1]) / 2
+        # one boundary (sign): a comparison gives bucketize's codes (y <= b: 0), 0.7 ms against 12 on 2^20
+        codes = y > bounds[0] if bounds.numel() == 1 else torch.bucketize(y, bounds)
         out[4 * nb :].copy_(pack_bits(codes.to(torch.uint8), self.bits))
         return out, codes, scale
 
