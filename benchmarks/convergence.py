@@ -69,6 +69,12 @@ PIPELINES = {
     "fp16": "fp16",  # nearly lossless: how far a tiny perturbation alone moves the final loss
     "topk10%+4-bit": "topk:0.1|q4|zstd:1",
     "cyclic47%+2-bit": "cyclic:0.47|q2:256|zstd:1",  # <= 1 bit/param before zstd, no indices
+    # SparseLoCo's rule (issue 42): chunked top-k with sign values, the sites' residual decayed,
+    # the coordinator re-sparsifying the average at about the union's size, keeping its residual
+    "topk6.5%+sign": "topk:0.065:4096|sign:256 / topk:0.16:4096|sign:256 ; "
+    "compression.feedback_decay=0.95 ; compression.downlink_feedback_decay=1",
+    "topk3%+sign": "topk:0.03:4096|sign:256 / topk:0.09:4096|sign:256 ; "
+    "compression.feedback_decay=0.95 ; compression.downlink_feedback_decay=1",
 }
 SMOKE_SETTINGS = [
     'sites=["site-1","site-2"]',
