@@ -80,6 +80,11 @@ PIPELINES = [
     "cyclic:0.4|q2",
     "cyclic:0.47|q2:256|zstd:1",
     "cyclic:0.5|q2|zstd:1",
+    "sign:256",
+    "sign:4096",
+    "topk:0.05:4096|q2",
+    "topk:0.1:4096|q2",
+    "topk:0.025:4096|q2",
 ]
 LARGE_PIPELINES = ["q8", "q8|zstd:1", "q8|zstd:3"]
 CHUNK = 1 << 20

@@ -10,17 +10,24 @@ the same warm start (the reference model trained alone for 600 steps, as the DiL
 from a pretrained model) and trains 24 rounds with the inner lr decayed to 10% (cosine): from
 scratch at a constant lr, this small model turns any perturbation, even fp16 rounding, into
 final-loss differences of several percent either way, which hides what the codecs cost.
-``--warm-start 0 --rounds 36 --schedule constant`` is the demo's from-scratch setting.
+``--starts scratch warm`` runs every pipeline both ways (``scratch``: the model's random
+initialisation, the same rounds and schedule), each compared with the dense run of the same start
+and seed; ``--warm-start 0 --rounds 36 --schedule constant`` is the demo's from-scratch setting.
+
+A pipeline is ``UPLINK`` (both ways) or ``UPLINK / DOWNLINK``, optionally followed by ``; KEY=VALUE``
+config settings of its own (``topk:0.05:4096|q2 / topk:0.12:4096|q2 ; compression.feedback_decay=0.95``).
 
 Every pipeline runs with every seed (the runs' data order), so each lossy pipeline is compared
 with the uncompressed run of the same seed, and the spread over seeds shows how much of a
-difference is noise. ``bits_per_param`` is the frame size per parameter of one direction
-(header included, before zstd); ``wan_bytes`` counts every protobuf message both ways, as the demo
-does. A run in which some round closed without every site (``short_rounds`` > 0) trained on fewer
-tokens and is flagged in the table.
+difference is noise. ``bits_per_param`` and ``downlink_bits_per_param`` are the frame size per
+parameter of the uplink and of the downlink (every byte of a frame: header, indices, scales,
+values; before zstd, which only shrinks it); ``worst_seed_ratio`` is the largest of the seeds'
+final loss ÷ the dense run's of the same seed and start; ``wan_bytes`` counts every protobuf
+message both ways, as the demo does. A run in which some round closed without every site
+(``short_rounds`` > 0) trained on fewer tokens and is flagged in the table.
 
-``--smoke`` (one int8 run of 2 rounds on a tiny model, 2 sites of one rank, a 4-step warm start)
-only checks that the benchmark still runs.
+``--smoke`` (dense and int8 runs of 2 rounds on a tiny model, 2 sites of one rank, from scratch and
+from a 4-step warm start) only checks that the benchmark still runs.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from geodiloco.workload import (
     rank_batch,
 )
 
+# name: the uplink's spec, or "UPLINK / DOWNLINK" where the coordinator's update has its own codec
 PIPELINES = {
     "none": "fp32",
     "int8": "q8|zstd:1",
@@ -61,6 +69,12 @@ PIPELINES = {
     "fp16": "fp16",  # nearly lossless: how far a tiny perturbation alone moves the final loss
     "topk10%+4-bit": "topk:0.1|q4|zstd:1",
     "cyclic47%+2-bit": "cyclic:0.47|q2:256|zstd:1",  # <= 1 bit/param before zstd, no indices
+    # SparseLoCo's rule (issue 42): chunked top-k with sign values, the sites' residual decayed,
+    # the coordinator re-sparsifying the average at about the union's size, keeping its residual
+    "topk6.5%+sign": "topk:0.065:4096|sign:256 / topk:0.16:4096|sign:256 ; "
+    "compression.feedback_decay=0.95 ; compression.downlink_feedback_decay=1",
+    "topk3%+sign": "topk:0.03:4096|sign:256 / topk:0.09:4096|sign:256 ; "
+    "compression.feedback_decay=0.95 ; compression.downlink_feedback_decay=1",
 }
 SMOKE_SETTINGS = [
     'sites=["site-1","site-2"]',
@@ -72,11 +86,22 @@ SMOKE_SETTINGS = [
 ]
 
 
+STARTS = ("scratch", "warm")
+
+
+def split_spec(spec: str) -> tuple[str, str, list[str]]:
+    """A pipeline entry's uplink spec, downlink spec and own settings: ``UP[ / DOWN][ ; K=V ...]``."""
+    codecs, *own = (p.strip() for p in spec.split(";"))
+    up, _, down = (p.strip() for p in codecs.partition("/"))
+    return up, down or up, [o for o in own if o]
+
+
 def run_one(
     name: str, spec: str, settings: list[str], seed: int, run_dir: Path, ranks_per_site: int = 2
 ) -> dict[str, Any]:
     # --set comes after the pipeline, so that e.g. compression.downlink=q8|zstd:1 holds for every run
-    overrides = [f"compression.uplink={spec}", f"compression.downlink={spec}", *settings, f"seed={seed}"]
+    up, down, own = split_spec(spec)
+    overrides = [f"compression.uplink={up}", f"compression.downlink={down}", *own, *settings, f"seed={seed}"]
     opts = DemoOptions(overrides=overrides, baseline=False, ranks_per_site=ranks_per_site)
     cfg = demo_config(opts)
     print(f"== {name}: {cfg.compression.uplink} up, {cfg.compression.downlink} down, seed {seed}", flush=True)
@@ -124,13 +149,18 @@ def warm_start(cfg: RunConfig, steps: int, path: Path) -> float:
     return loss_sum / count
 
 
-def summarise(name: str, spec: str, runs: list[dict[str, Any]], params: int, chunk: int) -> dict[str, Any]:
-    """One entry per pipeline: the issue's keys (means over seeds) plus every run."""
+def summarise(
+    name: str, spec: str, start: str, runs: list[dict[str, Any]], params: int, chunk: int
+) -> dict[str, Any]:
+    """One entry per pipeline and start: the issue's keys (means over seeds) plus every run."""
     losses = [r["final_eval_loss"] for r in runs]
+    up, down, _ = split_spec(spec)
     return {
         "name": name,
         "pipeline": spec,
-        "bits_per_param": parse_pipeline(spec).bits_per_param(min(params, chunk)),
+        "start": start,
+        "bits_per_param": parse_pipeline(up).bits_per_param(min(params, chunk)),
+        "downlink_bits_per_param": parse_pipeline(down).bits_per_param(min(params, chunk)),
         "final_eval_loss": statistics.fmean(losses),
         "final_eval_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
         "wan_bytes": statistics.fmean(r["wan_bytes"] for r in runs),
@@ -148,9 +178,23 @@ def _mean_of(runs: list[dict[str, Any]], key: str) -> float | None:
 
 
 def summarise_all(
-    pipelines: dict[str, str], runs: dict[str, list[dict[str, Any]]], params: int, chunk: int
+    pipelines: dict[str, str],
+    runs: dict[tuple[str, str], list[dict[str, Any]]],
+    params: int,
+    chunk: int,
 ) -> list[dict[str, Any]]:
-    return [summarise(n, spec, runs[n], params, chunk) for n, spec in pipelines.items() if runs[n]]
+    """Entries by start, then pipeline, each with ``worst_seed_ratio`` against its start's ``none``."""
+    entries = [
+        summarise(n, spec, start, runs[n, start], params, chunk)
+        for start in STARTS
+        for n, spec in pipelines.items()
+        if runs.get((n, start))
+    ]
+    for entry in entries:
+        dense = next((e for e in entries if e["name"] == "none" and e["start"] == entry["start"]), None)
+        ratios = [1 + d for d in paired_deltas(entry, dense)]
+        entry["worst_seed_ratio"] = max(ratios) if ratios else None
+    return entries
 
 
 def write_json(path: Path, results: list[dict[str, Any]]) -> None:
@@ -167,20 +211,22 @@ def paired_deltas(entry: dict[str, Any], none: dict[str, Any] | None) -> list[fl
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    none = next((r for r in results if r["name"] == "none"), None)
     lines = [
-        "| name | pipeline | bits/param | final eval loss (mean ± std) | vs none, per seed | mean "
-        "| WAN bytes | wire bits/param up / down |",
-        "|---|---|---|---|---|---|---|---|",
+        "| start | name | pipeline | bits/param up / down | final eval loss (mean ± std) | vs none, per seed "
+        "| mean | WAN bytes | wire bits/param up / down |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        start = r.get("start", "warm")
+        none = next((e for e in results if e["name"] == "none" and e.get("start", "warm") == start), None)
         deltas = paired_deltas(r, none)
         per_seed = " ".join(f"{d:+.2%}" for d in deltas) or "-"
         mean = f"{statistics.fmean(deltas):+.2%}" if deltas else "-"
         short = sum(run["short_rounds"] for run in r["runs"])
         flag = f" ({short} short rounds)" if short else ""
         lines.append(
-            f"| {r['name']} | `{r['pipeline']}` | {r['bits_per_param']:.3f} | "
+            f"| {start} | {r['name']} | `{r['pipeline']}` | "
+            f"{r['bits_per_param']:.3f} / {r.get('downlink_bits_per_param', r['bits_per_param']):.3f} | "
             f"{r['final_eval_loss']:.4f} ± {r['final_eval_loss_std']:.4f}{flag} | {per_seed} | {mean} | "
             f"{r['wan_bytes'] / 1e6:.1f} MB | "
             f"{_bits(r.get('wire_bits_up'))} / {_bits(r.get('wire_bits_down'))} |"
@@ -203,7 +249,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         curves = [run["curve"] for run in r["runs"]]
         tokens = [p["tokens"] for p in curves[0]]
         mean = [statistics.fmean(c[i]["eval_loss"] for c in curves) for i in range(len(tokens))]
-        label = f"{r['name']} ({r['pipeline']}, {r['bits_per_param']:.2f} bits/param)"
+        start, bits = r.get("start", "warm"), r["bits_per_param"]
+        label = f"{r['name']}, {start} ({r['pipeline']}, {bits:.2f} bits/param)"
         # ten colours, then the same colours dashed, so that no two curves look alike
         ax.plot(tokens, mean, label=label, color=f"C{i % 10}", linestyle="-" if i < 10 else "--")
     ax.set_xlabel("tokens")
@@ -241,7 +288,14 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=600,
         metavar="STEPS",
-        help="start every run from the reference model trained alone for STEPS steps (0: from scratch)",
+        help="the warm start: the reference model trained alone for STEPS steps (0: from scratch only)",
+    )
+    parser.add_argument(
+        "--starts",
+        nargs="+",
+        choices=STARTS,
+        default=list(STARTS),
+        help="run every pipeline from scratch, from the warm start, or both (default)",
     )
     parser.add_argument(
         "--set",
@@ -254,10 +308,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--resume", type=Path, help="start from the runs in this JSON (an earlier --json) and skip those"
     )
-    parser.add_argument("--smoke", action="store_true", help="one tiny int8 run: does it still run")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny dense and int8 runs from both starts: does it still run"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
-        args.rounds, args.warm_start, args.only, args.seeds = 2, 4, ["int8"], None
+        args.rounds, args.warm_start, args.only, args.seeds = 2, 4, ["none", "int8"], None
+    starts = [s for s in args.starts if s == "scratch" or args.warm_start]
     settings = [f"rounds={args.rounds}"] if args.rounds else []
     settings += SMOKE_SETTINGS if args.smoke else []  # before the warm start, which trains this model
     ranks = 1 if args.smoke else 2
@@ -265,14 +322,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.schedule == "cosine":
         settings.append(f"inner.decay_steps={defaults.rounds * defaults.inner.steps_per_round}")
     settings += args.set
-    if args.warm_start:
+    start_settings: dict[str, list[str]] = {"scratch": []}
+    if "warm" in starts:
         path = (
             args.keep or Path(tempfile.gettempdir())
         ) / f"warm-start-{defaults.seed}-{args.warm_start}{'-smoke' * args.smoke}.pt"
         if not path.exists():
             loss = warm_start(defaults, args.warm_start, path)
             print(f"warm start: {args.warm_start} steps, eval loss {loss:.4f}, saved to {path}", flush=True)
-        settings.append(f"workload.init_weights={path}")
+        start_settings["warm"] = [f"workload.init_weights={path}"]
     seeds = args.seeds or [defaults.seed]
     extra = dict(e.split("=", 1) for e in args.extra)
     unknown = [n for n in args.only or [] if n not in PIPELINES]
@@ -281,33 +339,36 @@ def main(argv: list[str] | None = None) -> None:
     pipelines = {n: PIPELINES[n] for n in args.only} if args.only is not None else dict(PIPELINES)
     pipelines |= extra
     params = num_parameters(build_model(defaults.model, defaults.seed))
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in pipelines}
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {(n, s): [] for n in pipelines for s in starts}
     if args.resume and args.resume.exists():
         for entry in json.loads(args.resume.read_text()):
-            if pipelines.get(entry["name"]) == entry["pipeline"]:
-                runs[entry["name"]] = [r for r in entry["runs"] if r["seed"] in seeds]
+            key = (entry["name"], entry.get("start", "warm"))  # older results: warm runs only
+            if pipelines.get(entry["name"]) == entry["pipeline"] and key in runs:
+                runs[key] = [r for r in entry["runs"] if r["seed"] in seeds]
     todo = [
-        (seed, name, spec)
+        (seed, start, name, spec)
         for seed in seeds  # seed by seed, so that an interrupted sweep still has paired comparisons
+        for start in starts
         for name, spec in pipelines.items()
-        if not any(r["seed"] == seed for r in runs[name])  # measured already (--resume)
+        if not any(r["seed"] == seed for r in runs[name, start])  # measured already (--resume)
     ]
+    chunk = defaults.compression.chunk_elements
     with Progress("convergence runs", max(1, len(todo)), every_s=0) as progress:
-        for seed, name, spec in todo:
-            label = f"{name.replace('%', '')}-{seed}"
+        for seed, start, name, spec in todo:
+            label = f"{name.replace('%', '')}-{start}-{seed}"
+            run_settings = settings + start_settings[start]
             if args.keep:
                 run_dir = args.keep / label
                 shutil.rmtree(run_dir, ignore_errors=True)
                 run_dir.mkdir(parents=True)
-                runs[name].append(run_one(name, spec, settings, seed, run_dir, ranks))
+                runs[name, start].append(run_one(name, spec, run_settings, seed, run_dir, ranks))
             else:
                 with tempfile.TemporaryDirectory(prefix=f"convergence-{label}-") as tmp:
-                    runs[name].append(run_one(name, spec, settings, seed, Path(tmp), ranks))
+                    runs[name, start].append(run_one(name, spec, run_settings, seed, Path(tmp), ranks))
             if args.json:  # after every run, so a long sweep leaves its results as it goes
-                chunk = defaults.compression.chunk_elements
                 write_json(args.json, summarise_all(pipelines, runs, params, chunk))
-            progress.advance(note=f"{name} seed {seed} done")
-    results = summarise_all(pipelines, runs, params, defaults.compression.chunk_elements)
+            progress.advance(note=f"{name} from {start}, seed {seed} done")
+    results = summarise_all(pipelines, runs, params, chunk)
     if args.json:
         write_json(args.json, results)
     print(table(results))

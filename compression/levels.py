@@ -6,13 +6,16 @@ the nearest of a few fixed levels; decoding is a table lookup times ``s``. With 
 ``s`` the levels lie in [-1, 1] and the error is <= s * (widest gap between levels) / 2. With
 the RMS as ``s`` (``lm2``) the levels are the mean-squared-error optimum for a Gaussian, an
 element beyond the outer level is off by its excess, which error feedback carries, and there is
-no zero level (an exact zero decodes to -0.453·s). Layout:
-fp32 ``s`` per block, then the packed codes.
+no zero level (an exact zero decodes to -0.453·s). With the mean magnitude as ``s`` and the
+levels ±1 (``sign``), each element is its sign times its block's mean magnitude: the 1-bit code
+whose scale minimises the squared error, for the values top-k keeps (all far from zero), at half
+the bits of ``q2``. Layout: fp32 ``s`` per block, then the packed codes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -45,14 +48,14 @@ def gaussian_two_bit_levels() -> tuple[float, ...]:
 
 @dataclass(frozen=True, slots=True)
 class LevelQuantizer:
-    """Rounding to a fixed table of at most ``2**bits`` levels, per block scaled by its absmax
-    (``rms=False``) or its root mean square (``rms=True``); ``bits`` + 32 bits per block."""
+    """Rounding to a fixed table of at most ``2**bits`` levels, per block scaled by its absmax,
+    its root mean square or its mean magnitude (``scale``); ``bits`` + 32 bits per block."""
 
     name: str
     levels: tuple[float, ...]
     block: int = 128
     bits: int = 4
-    rms: bool = False
+    scale: Literal["absmax", "rms", "mean_abs"] = "absmax"
 
     def __post_init__(self) -> None:
         if not 1 <= self.block <= 1 << 20:
@@ -70,15 +73,17 @@ class LevelQuantizer:
     @property
     def max_scale(self) -> float:
         """The largest scale whose outer level is still a finite fp32 (with room for rounding)."""
-        if not self.rms:  # levels within [-1, 1]
+        if self.scale != "rms":  # levels within [-1, 1]; a mean magnitude is at most the absmax
             return FP32_MAX
         return FP32_MAX / max(abs(v) for v in self.levels) * (1 - 2**-20)
 
     def _scales(self, xb: torch.Tensor, numel: int) -> torch.Tensor:
-        if not self.rms:
+        if self.scale == "absmax":
             return xb.abs().amax(dim=1)
         counts = torch.full((xb.shape[0],), float(self.block), dtype=torch.float64, device=xb.device)
         counts[-1] = numel - (xb.shape[0] - 1) * self.block  # the zero padding is not data
+        if self.scale == "mean_abs":
+            return (xb.to(torch.float64).abs().sum(dim=1) / counts).to(torch.float32)
         rms = (xb.to(torch.float64).square().sum(dim=1) / counts).sqrt()
         return rms.clamp_(max=self.max_scale).to(torch.float32)
 
@@ -87,15 +92,15 @@ class LevelQuantizer:
 
     @property
     def device_ready(self) -> bool:
-        """Whether :meth:`encode_on_device` applies: an RMS is a float64 sum whose order, and so
-        whose last bit, differs between devices; an absmax is exact everywhere."""
-        return not self.rms
+        """Whether :meth:`encode_on_device` applies: an RMS or a mean magnitude is a float64 sum
+        whose order, and so whose last bit, differs between devices; an absmax is exact everywhere."""
+        return self.scale == "absmax"
 
     def encode_on_device(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(The encoding as uint8, the values every receiver decodes from it), both on ``x``'s
         device; the same bytes as on the host."""
         if not self.device_ready:
-            raise CodecError(f"{self.spec}: RMS-scaled levels are coded on the host")
+            raise CodecError(f"{self.spec}: levels scaled by an RMS or a mean are coded on the host")
         out, codes, scale = self._encode(x)
         if codes is None:
             return out, torch.empty(0, dtype=torch.float32, device=x.device)
@@ -118,10 +123,12 @@ class LevelQuantizer:
         scale.copy_(self._scales(xb, numel))
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
         y = (xb * inv[:, None]).view(-1)[:numel]
-        if not self.rms:
+        if self.scale == "absmax":
             y = y.clamp(-1.0, 1.0)
         table = self._table(device)
-        codes = torch.bucketize(y, (table[1:] + table[:-1]) / 2)
+        bounds = (table[1:] + table[:-1]) / 2
+        # one boundary (sign): a comparison gives bucketize's codes (y <= b: 0), 0.7 ms against 12 on 2^20
+        codes = y > bounds[0] if bounds.numel() == 1 else torch.bucketize(y, bounds)
         out[4 * nb :].copy_(pack_bits(codes.to(torch.uint8), self.bits))
         return out, codes, scale
 
@@ -145,6 +152,6 @@ class LevelQuantizer:
         half_gap = float((table[1:] - table[:-1]).max()) / 2
         scale = self._scales(as_blocks(x, self.block), x.numel()).repeat_interleave(self.block)[: x.numel()]
         bound = scale * half_gap
-        if self.rms:  # beyond the outer level: off by the excess
+        if self.scale != "absmax":  # beyond the outer level: off by the excess
             bound = torch.maximum(bound, x.abs() - scale * float(table.abs().max()))
         return bound * (1 + 1e-5) + 1e-30

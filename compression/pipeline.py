@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -69,11 +70,14 @@ def _quantizer(bits: int) -> Callable[[StageArgs], ValueCodec]:
 
 
 def _levels(
-    name: str, levels: tuple[float, ...], bits: int = 4, rms: bool = False
+    name: str,
+    levels: tuple[float, ...],
+    bits: int = 4,
+    scale: Literal["absmax", "rms", "mean_abs"] = "absmax",
 ) -> Callable[[StageArgs], ValueCodec]:
     def build(a: StageArgs) -> ValueCodec:
         a.only(1)
-        return LevelQuantizer(name=name, levels=levels, block=a.int_at(0, 128), bits=bits, rms=rms)
+        return LevelQuantizer(name=name, levels=levels, block=a.int_at(0, 128), bits=bits, scale=scale)
 
     return build
 
@@ -114,7 +118,8 @@ VALUE_CODECS: dict[str, Callable[[StageArgs], ValueCodec]] = {
     "q2": _quantizer(2),
     "fp4": _levels("fp4", e2m1_levels()),
     "nf4": _levels("nf4", normal_float_levels()),
-    "lm2": _levels("lm2", gaussian_two_bit_levels(), bits=2, rms=True),
+    "lm2": _levels("lm2", gaussian_two_bit_levels(), bits=2, scale="rms"),
+    "sign": _levels("sign", (-1.0, 1.0), bits=1, scale="mean_abs"),
 }
 DEVICE_CODECS = (BlockwiseAbsmax, LevelQuantizer)  # value codecs with an ``encode_on_device``
 SPARSIFIERS: dict[str, Callable[[StageArgs], TopK | Cyclic]] = {"topk": _topk, "cyclic": _cyclic}

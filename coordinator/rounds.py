@@ -169,7 +169,7 @@ class RoundController:
         self.uplink = cfg.compression.uplink_pipeline
         self.downlink = cfg.compression.downlink_pipeline
         self.full_state_codec = parse_pipeline(FULL_STATE_CODEC)
-        self.downlink_feedback = ErrorFeedback(self.num_params, cfg.compression.feedback_decay)
+        self.downlink_feedback = ErrorFeedback(self.num_params, cfg.compression.downlink_decay)
         self.sites = {name: SiteRecord(name, i) for i, name in enumerate(cfg.sites)}
         self.mean = WeightedMean(self.num_params)
         self.updates: dict[int, CommittedUpdate] = {}  # the latest; older ones are read from the log

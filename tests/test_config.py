@@ -26,6 +26,7 @@ def test_json_roundtrip_is_lossless() -> None:
         ("outer.momentum=1.5", "outer.momentum"),
         ("compression.uplink=q3", "compression.uplink: unknown codec stage 'q3'"),
         ("compression.feedback_decay=1.5", "compression.feedback_decay: must be in [0, 1], got 1.5"),
+        ("compression.downlink_feedback_decay=-0.1", "compression.downlink_feedback_decay: must be in"),
         ("inner.steps_per_round=0", "inner.steps_per_round"),
         ("inner.decay_steps=-1", "inner.decay_steps"),
         ("inner.min_lr_ratio=1.5", "inner.min_lr_ratio"),

@@ -194,6 +194,8 @@ class CompressionConfig:
     downlink: str = "q8|zstd:3"
     chunk_elements: int = 1 << 20
     feedback_decay: float = 1.0  # residual kept per round by every sender; 0 turns error feedback off
+    # the coordinator's own (for the update it sends), where it should differ from the sites'; None: the same
+    downlink_feedback_decay: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("uplink", "downlink"):
@@ -211,6 +213,16 @@ class CompressionConfig:
             "compression.feedback_decay",
             f"must be in [0, 1], got {self.feedback_decay}",
         )
+        _require(
+            self.downlink_feedback_decay is None or 0 <= self.downlink_feedback_decay <= 1,
+            "compression.downlink_feedback_decay",
+            f"must be in [0, 1] or null (as compression.feedback_decay), got {self.downlink_feedback_decay}",
+        )
+
+    @property
+    def downlink_decay(self) -> float:
+        """The coordinator's residual decay: ``downlink_feedback_decay``, or the sites' when unset."""
+        return self.feedback_decay if self.downlink_feedback_decay is None else self.downlink_feedback_decay
 
     @property
     def uplink_pipeline(self) -> Pipeline:

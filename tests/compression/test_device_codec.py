@@ -36,7 +36,16 @@ DEVICE_SPECS = [
     "cyclic:0.4|fp4:32",
     "topk:0.1|nf4",
 ]
-HOST_SPECS = ["fp32|zstd:1", "bf16", "q4:64:sr=3", "lm2", "lm2:64|zstd:1", "topk:0.1:256|q4", "cyclic:0.4"]
+HOST_SPECS = [
+    "fp32|zstd:1",
+    "bf16",
+    "q4:64:sr=3",
+    "lm2",
+    "lm2:64|zstd:1",
+    "topk:0.1:256|q4",
+    "cyclic:0.4",
+    "cyclic:0.4|sign:256",
+]
 SIZES = [1, 63, 128, 129, 1000, 4099]  # odd block tails, single elements, exact blocks
 
 
@@ -140,8 +149,8 @@ def test_device_path_refuses_non_finite_values_and_a_missing_place() -> None:
         parse_pipeline("cyclic:0.4|q2").roundtrip(_values(300), on_device=True)
     with pytest.raises(CodecError, match="stochastic rounding is coded on the host"):
         BlockwiseAbsmax(bits=4, sr_seed=1).encode_on_device(_values(10))
-    with pytest.raises(CodecError, match="RMS-scaled levels are coded on the host"):
-        LevelQuantizer("lm2", gaussian_two_bit_levels(), bits=2, rms=True).encode_on_device(_values(10))
+    with pytest.raises(CodecError, match="scaled by an RMS or a mean are coded on the host"):
+        LevelQuantizer("lm2", gaussian_two_bit_levels(), bits=2, scale="rms").encode_on_device(_values(10))
 
 
 def test_empty_chunks_take_the_device_path() -> None:

@@ -25,6 +25,10 @@ LOSSY = [
     "topk:0.02",
     "cyclic:0.4|q2|zstd:1",
     "cyclic:0.1",
+    "sign",
+    "sign:7|zstd:1",
+    "topk:0.05:64|sign:256",
+    "cyclic:0.3|sign:16",
 ]
 
 

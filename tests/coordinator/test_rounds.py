@@ -121,6 +121,31 @@ async def test_fedavg_commit_matches_hand_computation_and_every_receiver_view() 
     assert update is not None and update.state_hash == state_hash(c.theta) == c.hashes[1]
 
 
+async def test_the_coordinator_decays_its_residual_by_its_own_rate() -> None:
+    # top-k keeps the 10 largest of the change; the rest waits in the coordinator's residual,
+    # which the next round decays by compression.downlink_feedback_decay (the sites keep theirs)
+    cfg = {
+        "outer__optimizer": "fedavg",
+        "outer__lr": 1.0,
+        "compression__uplink": "fp32",
+        "compression__downlink": "topk:0.01|fp32",
+        "compression__feedback_decay": 1.0,
+        "compression__downlink_feedback_decay": 0.5,
+    }
+    c = controller(**cfg)
+    await join_all(c)
+    delta = -torch.arange(N, dtype=torch.float32) / N  # θ moves by +i/N: top 1% are the last 10
+    for name in c.cfg.sites:
+        await c.contribute(name, "", 0, 100, delta.clone())
+    kept = c.theta != 0
+    assert int(kept.sum()) == 10 and bool(kept[-10:].all())
+    assert torch.allclose(c.downlink_feedback.residual[:-10], -delta[:-10], rtol=1e-6, atol=0)
+    for name in c.cfg.sites:
+        await c.contribute(name, "", 1, 100, torch.zeros(N))
+    # round 1 sends 0 + 0.5 · the residual: its top 10 are the next largest, halved
+    assert torch.allclose(c.theta[-20:-10], -delta[-20:-10] * 0.5, rtol=1e-6, atol=0)
+
+
 async def test_an_update_is_served_only_once_it_is_durable(tmp_path: Path) -> None:
     c = controller(tmp_path)
     await join_all(c)
