@@ -112,7 +112,10 @@ class DemoPki:
 
     @classmethod
     def create(cls, run_dir: Path, sites: list[str]) -> DemoPki:
-        shutil.rmtree(run_dir / "pki", ignore_errors=True)  # a new CA and run secret every demo
+        # A new CA and run secret every demo, so a new run: the coordinator state a previous demo
+        # left in the same folder is sealed under the old secret and would refuse to open.
+        for previous in ("pki", "coordinator"):
+            shutil.rmtree(run_dir / previous, ignore_errors=True)
         pki = PkiDir(run_dir / "pki")
         pki.init()
         return cls(
