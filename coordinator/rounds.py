@@ -30,6 +30,7 @@ from geodiloco.compression.frames import chunk_ranges
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.aggregator import Contribution, TensorContribution, WeightedMean, sum_of_squares
 from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError, StateError, load_state, save_state
+from geodiloco.coordinator.grace import Arrival, GraceWindow
 from geodiloco.coordinator.journal import JsonLines
 from geodiloco.coordinator.ledger import DataLedger, LedgerExhausted
 from geodiloco.coordinator.outer_optimizer import NesterovOuter, build_outer_optimizer
@@ -177,7 +178,9 @@ class RoundController:
         self.hashes: dict[int, str] = {} if state is not None else {0: state_hash(self.theta)}
         self.theta_norm = math.sqrt(sum_of_squares(self.theta))
         self.round_opened = time.monotonic()
-        self.first_contribution: float | None = None  # the round's deadline counts from here
+        self.grace = GraceWindow(cfg.grace, cfg.round_timeout_s)  # the deadline, from recent arrivals
+        self.arrivals: list[Arrival] = []  # the open round's, in order
+        self.firsts: dict[int, float] = {}  # recent rounds' first arrivals (deadlines, late lags)
         self.started = time.monotonic()
         self.unattributed_bytes = 0
         self._full_state: FullState | None = None
@@ -426,7 +429,11 @@ class RoundController:
         if round_ < self.round:
             if self._contributed(name, round_):
                 return True  # a repeat of a push the round took
-            raise LateContribution(f"round {round_} is closed; the current round is {self.round}")
+            first = self.firsts.get(round_)
+            raise LateContribution(
+                f"round {round_} is closed; the current round is {self.round}",
+                None if first is None else time.monotonic() - first,
+            )
         if self.finished:
             raise FailedPrecondition(f"run {self.cfg.run_id!r} has finished; nothing to push")
         if round_ == self.round:
@@ -472,8 +479,9 @@ class RoundController:
                 return False
             self.check_data(name, self.data_for(name) if data is None else data)
             await asyncio.to_thread(self.mean.fold, name, delta, tokens)
-            if self.first_contribution is None:
-                self.first_contribution = time.monotonic()
+            now = time.monotonic()
+            first = self.firsts.setdefault(round_, now)
+            self.arrivals.append(Arrival(name, now - first))
             record = self.sites[name]
             record.last_round, record.accepted = round_, record.accepted + 1
             record.tokens += tokens
@@ -508,6 +516,8 @@ class RoundController:
             return
         if isinstance(reason, LateContribution):
             record.late += 1
+            if reason.after_s is not None:  # the grace window was too short for it: measured
+                self.grace.late(reason.after_s)
             log.info("round %d: dropped a late contribution from %s", self.round, name)
         else:
             record.rejected += 1
@@ -525,13 +535,24 @@ class RoundController:
         return waited_for <= contributed or self.overdue(now)
 
     def overdue(self, now: float) -> bool:
-        """Past the round's deadline: ``round_timeout_s`` after its first contribution arrived.
+        """Past the round's deadline: the grace window (``round_timeout_s``, or measured with
+        ``grace.adaptive``) after its first contribution arrived.
 
         Counting from the first arrival (not the round's start) means slow starts, e.g. sites
         still importing at round 0, do not count against the stragglers."""
-        return (
-            self.first_contribution is not None and now - self.first_contribution >= self.cfg.round_timeout_s
-        )
+        first = self.first_contribution
+        return first is not None and now - first >= self.grace.window_s
+
+    @property
+    def first_contribution(self) -> float | None:
+        """When the open round's first contribution arrived (its deadline counts from there)."""
+        return self.firsts.get(self.round)
+
+    @property
+    def waiting_for(self) -> list[str]:
+        """The live sites the open round still waits for."""
+        waited = self.live_sites() if self.history else set(self.sites)
+        return sorted(waited - set(self.mean.contributors))
 
     async def _maybe_close(self) -> None:
         async with self._commit_lock:
@@ -584,7 +605,10 @@ class RoundController:
         if not self.finished:
             self._reserve_next_round()
         self.round_opened = time.monotonic()
-        self.first_contribution = None
+        self.grace.closed(self.arrivals, self.cfg.quorum)
+        self.arrivals = []
+        for old in [k for k in self.firsts if k < self.round - KEEP_DIGESTS]:
+            del self.firsts[old]
         self._full_state = None
         faults.at_commit(r)  # tests: a fault plan's kill or raise, advanced in memory, not yet durable
         await self._persist(log_file)

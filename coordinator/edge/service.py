@@ -354,6 +354,9 @@ def status_message(
         num_params=run.num_params,
         data_windows_consumed=c.ledger.progress()[0],
         data_windows_total=c.ledger.progress()[1],
+        grace_window_s=c.grace.window_s,
+        waited_for=[admin_pb2.Arrival(site=a.site, after_s=a.after_s) for a in c.grace.waited_for],
+        waiting_for=c.waiting_for if not c.finished else [],
     )
 
 

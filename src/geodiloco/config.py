@@ -187,6 +187,28 @@ class OuterConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class GraceConfig:
+    """How long a round waits for its stragglers after its first contribution.
+
+    Off (``adaptive`` false), ``round_timeout_s``. On, the window follows the measured arrivals
+    of the last ``rounds`` rounds: their lags behind each round's first contribution (late ones
+    included), the ``quantile`` of those, times ``1 + margin``, plus ``floor_s``, never more
+    than ``round_timeout_s`` (:mod:`geodiloco.coordinator.grace`)."""
+
+    adaptive: bool = False
+    quantile: float = 0.9
+    margin: float = 0.5
+    floor_s: float = 0.5
+    rounds: int = 8
+
+    def __post_init__(self) -> None:
+        _require(0 < self.quantile <= 1, "grace.quantile", f"must be in (0, 1], got {self.quantile}")
+        _require(0 <= self.margin < float("inf"), "grace.margin", f"must be >= 0, got {self.margin}")
+        _require(0 <= self.floor_s < float("inf"), "grace.floor_s", f"must be >= 0, got {self.floor_s}")
+        _require(self.rounds >= 1, "grace.rounds", f"must be >= 1, got {self.rounds}")
+
+
+@dataclass(kw_only=True, slots=True)
 class CompressionConfig:
     """Codec pipelines per direction, error-feedback decay, and the chunk size of streamed payloads."""
 
@@ -299,6 +321,7 @@ class RunConfig:
     # rounded up (see `quorum`); set it to len(sites) to wait for every site
     min_sites: int = 0
     round_timeout_s: float = 600.0
+    grace: GraceConfig = field(default_factory=GraceConfig)
     heartbeat_interval_s: float = 2.0
     lease_s: float = 15.0
     # rounds between full snapshots of the coordinator's state; each round in between is logged
