@@ -75,7 +75,8 @@ class SiteRecord:
     last_round: int = -1  # last round contributed to
     accepted: int = 0
     rejected: int = 0
-    late: int = 0
+    late: int = 0  # pushes dropped because their round had closed
+    late_merged: int = 0  # pushes merged into a later round (outer.max_staleness)
     bytes_in: int = 0
     bytes_out: int = 0
     eval_loss: float = float("nan")
@@ -120,6 +121,7 @@ class RoundRecord:
     eval_loss_sum: float = 0.0
     eval_count: int = 0
     hash_reports: dict[str, bool] = field(default_factory=dict)
+    late: list[list[Any]] = field(default_factory=list)  # [site, round trained, tokens, weight] merged
 
     @property
     def eval_loss(self) -> float:
@@ -181,6 +183,9 @@ class RoundController:
         self.grace = GraceWindow(cfg.grace, cfg.round_timeout_s)  # the deadline, from recent arrivals
         self.arrivals: list[Arrival] = []  # the open round's, in order
         self.firsts: dict[int, float] = {}  # recent rounds' first arrivals (deadlines, late lags)
+        self.late_keys: dict[str, list[Any]] = {}  # the open round's late merges: key -> record
+        self.late_data: list[list[Any]] = []  # and the windows they consumed
+        self.merged_late: dict[tuple[str, int], int] = {}  # (site, round trained) -> merged into
         self.started = time.monotonic()
         self.unattributed_bytes = 0
         self._full_state: FullState | None = None
@@ -429,9 +434,12 @@ class RoundController:
         if round_ < self.round:
             if self._contributed(name, round_):
                 return True  # a repeat of a push the round took
-            first = self.firsts.get(round_)
+            if self._mergeable(name, round_):
+                return False  # to be merged into the open round
+            first, bound = self.firsts.get(round_), self.cfg.outer.max_staleness
+            beyond = f"; it is more than outer.max_staleness ({bound}) rounds behind" if bound else ""
             raise LateContribution(
-                f"round {round_} is closed; the current round is {self.round}",
+                f"round {round_} is closed; the current round is {self.round}{beyond}",
                 None if first is None else time.monotonic() - first,
             )
         if self.finished:
@@ -444,9 +452,21 @@ class RoundController:
         """Whether ``name``'s contribution is in closed round ``round_`` (its record, kept
         for every round and across restarts)."""
         record = self.history[round_] if 0 <= round_ < len(self.history) else None
+        if (name, round_) in self.merged_late:
+            return True
         if record is None or record.round != round_:
             return self.sites[name].last_round >= round_  # no record of that round: as before
         return name in record.contributors
+
+    def _mergeable(self, name: str, round_: int) -> bool:
+        """Whether a late push of ``name`` for closed ``round_`` is merged into the open round:
+        within ``outer.max_staleness`` rounds, and its windows still held for it."""
+        stale = self.round - round_
+        return (
+            not self.finished
+            and 0 < stale <= self.cfg.outer.max_staleness
+            and self.ledger.held_for(name, round_) is not None
+        )
 
     async def contribute(
         self,
@@ -477,6 +497,9 @@ class RoundController:
         async with self._commit_lock:
             if self.check_push(name, run_id, round_):
                 return False
+            if round_ < self.round:
+                await self._merge_late(name, round_, tokens, delta, data, digest)
+                return True
             self.check_data(name, self.data_for(name) if data is None else data)
             await asyncio.to_thread(self.mean.fold, name, delta, tokens)
             now = time.monotonic()
@@ -490,6 +513,48 @@ class RoundController:
             log.info("round %d: accepted %s (%d tokens)", round_, name, tokens)
         await self._maybe_close()
         return True
+
+    async def _merge_late(
+        self,
+        name: str,
+        round_: int,
+        tokens: int,
+        delta: Contribution,
+        data: list[DataRange] | None,
+        digest: tuple[bytes, ...] | None,
+    ) -> None:
+        """Fold a late push into the open round with weight ``tokens // (1 + staleness)``; the
+        windows it trained, held since its round closed, become consumed in this round."""
+        held = self.ledger.held_for(name, round_)
+        if data is not None and data != held:
+            raise FailedPrecondition(
+                f"site {name!r} trained round {round_} on {_ranges(data)}, "
+                f"but the ledger reserved {_ranges(held or [])}; rejoin"
+            )
+        stale = self.round - round_
+        weight = max(1, tokens // (1 + stale))
+        key = f"{name}@{round_}"
+        await asyncio.to_thread(self.mean.fold, key, delta, weight)
+        self.late_keys[key] = [name, round_, tokens, weight]
+        self.merged_late[(name, round_)] = self.round
+        for d in self.ledger.consume_held(self.round, name, round_):
+            self.late_data.append([name, d.shard, d.start, d.end, d.epoch])
+        first = self.firsts.get(round_)
+        if first is not None:
+            self.grace.late(time.monotonic() - first)
+        record = self.sites[name]
+        record.late_merged, record.tokens = record.late_merged + 1, record.tokens + tokens
+        if digest is not None:
+            self.push_digests[(name, round_)] = digest
+        log.info(
+            "round %d: merged %s's push of round %d (%d tokens, weight %d, %d rounds stale)",
+            self.round,
+            name,
+            round_,
+            tokens,
+            weight,
+            stale,
+        )
 
     def accepted_digest(self, name: str, round_: int) -> tuple[bytes, ...] | None:
         """The part digests of ``name``'s accepted push for ``round_``; None when not kept
@@ -528,7 +593,7 @@ class RoundController:
         """Quorum, and everyone waited for in or the deadline passed. The run's first round waits
         for every site in ``sites``, joined or not: at start-up the first site to join would
         otherwise commit rounds alone, at the default quorum, before the others have joined."""
-        contributed = set(self.mean.contributors)
+        contributed = set(self.mean.contributors) - set(self.late_keys)
         if self.finished or len(contributed) < self.cfg.quorum:
             return False
         waited_for = self.live_sites() if self.history else set(self.sites)
@@ -552,7 +617,7 @@ class RoundController:
     def waiting_for(self) -> list[str]:
         """The live sites the open round still waits for."""
         waited = self.live_sites() if self.history else set(self.sites)
-        return sorted(waited - set(self.mean.contributors))
+        return sorted(waited - set(self.mean.contributors))  # late merges are keyed site@round
 
     async def _maybe_close(self) -> None:
         async with self._commit_lock:
@@ -563,8 +628,10 @@ class RoundController:
         """Close the round: compute (in a worker thread), make it durable, and only then publish it."""
         r, mean = self.round, self.mean
         started = time.monotonic()
-        contributors, tokens = sorted(mean.contributors), mean.weight
-        self._round_tokens = dict(mean.tokens)
+        contributors = sorted(c for c in mean.contributors if c not in self.late_keys)
+        late = [self.late_keys[k] for k in sorted(self.late_keys)]
+        tokens = sum(mean.tokens[c] for c in contributors) + sum(item[2] for item in late)  # trained
+        self._round_tokens = {c: mean.tokens[c] for c in contributors}
         kept = 1 if self.run_dir is not None else KEEP_UPDATES  # with a run directory: in the log
         # The older updates leave memory before the next is computed (a pull still sending one
         # holds its own reference), freed in a worker: a model-sized free is not the loop's work.
@@ -572,23 +639,31 @@ class RoundController:
         await asyncio.to_thread(dropped.clear)
         log_file = await self._on_disk(r, self._open_update_log, r)
         try:
-            await self._close_round(r, started, contributors, tokens, log_file)
+            await self._close_round(r, started, contributors, tokens, log_file, late)
         finally:
             if log_file is not None:
                 log_file.abort()  # a commit that did not finish leaves no file; none once committed
 
     async def _close_round(
-        self, r: int, started: float, contributors: list[str], tokens: int, log_file: UpdateLogWriter | None
+        self,
+        r: int,
+        started: float,
+        contributors: list[str],
+        tokens: int,
+        log_file: UpdateLogWriter | None,
+        late: list[list[Any]],
     ) -> None:
         update = await self._on_disk(r, self._advance, r, log_file)
         computed = time.monotonic()
         digest = update.state_hash
         self.updates[r] = update
         self.hashes[r + 1] = digest
-        consumed = [
+        consumed = self.late_data + [
             [site, d.shard, d.start, d.end, d.epoch] for site in contributors for d in self.data_for(site)
         ]
-        self.ledger.settle(r, set(contributors))
+        staleness = self.cfg.outer.max_staleness
+        # with late merging, a live site that missed the round may still push what it trained
+        self.ledger.settle(r, set(contributors), hold=self.live_sites() if staleness else None)
         record = RoundRecord(
             round=r,
             contributors=contributors,
@@ -597,9 +672,14 @@ class RoundController:
             duration_s=started - self.round_opened,
             update_bytes=update.payload_bytes,
             data=consumed,
+            late=late,
         )
         self.history.append(record)
         self.round += 1
+        self.late_keys, self.late_data = {}, []
+        self.ledger.expire_held(self.round - staleness)  # too stale to merge: the windows go back
+        for key in [k for k, merged in self.merged_late.items() if merged < self.round - KEEP_DIGESTS]:
+            del self.merged_late[key]
         for key in [k for k in self.push_digests if k[1] < self.round - KEEP_DIGESTS]:
             del self.push_digests[key]
         if not self.finished:
@@ -749,6 +829,7 @@ class RoundController:
             "update_bytes": record.update_bytes,
             "duration_s": round(record.duration_s, 3),
             "data": record.data,
+            "late": record.late,
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -929,6 +1010,7 @@ _SITE_FIELDS_SAVED = (
     "accepted",
     "rejected",
     "late",
+    "late_merged",
     "bytes_in",
     "bytes_out",
     "eval_loss",

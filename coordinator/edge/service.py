@@ -316,11 +316,12 @@ def status_message(
     now = time.monotonic()
     run = fragments or FragmentedController.single(c)
 
-    def over_fragments(name: str) -> tuple[int, int, bool]:
+    def over_fragments(name: str) -> tuple[int, int, int, bool]:
         records = [f.sites[name] for f in run.fragments if name in f.sites]
         return (
             sum(r.rejected for r in records),
             sum(r.late for r in records),
+            sum(r.late_merged for r in records),
             all(r.hash_ok for r in records),
         )
 
@@ -361,7 +362,7 @@ def status_message(
 
 
 def _site_status(
-    c: RoundController, s: SiteRecord, now: float, rejected: int, late: int, hash_ok: bool
+    c: RoundController, s: SiteRecord, now: float, rejected: int, late: int, late_merged: int, hash_ok: bool
 ) -> admin_pb2.SiteStatus:
     return admin_pb2.SiteStatus(
         site=s.name,
@@ -376,6 +377,7 @@ def _site_status(
         accepted=s.accepted,
         rejected=rejected,
         late=late,
+        late_merged=late_merged,
         hash_ok=hash_ok,
         last_report_round=s.last_report_round,
     )

@@ -171,6 +171,9 @@ class OuterConfig:
     fragments: int = 1
     overlap_steps: int = 0
     mix_alpha: float = 0.5
+    # a push up to this many rounds late is merged into its fragment's open round with weight
+    # tokens // (1 + staleness), not dropped (0: late pushes are dropped)
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         _require(
@@ -184,6 +187,11 @@ class OuterConfig:
         _require(self.fragments >= 1, "outer.fragments", f"must be >= 1, got {self.fragments}")
         _require(self.overlap_steps >= 0, "outer.overlap_steps", f"must be >= 0, got {self.overlap_steps}")
         _require(0 <= self.mix_alpha < 1, "outer.mix_alpha", f"must be in [0, 1), got {self.mix_alpha}")
+        _require(
+            0 <= self.max_staleness <= 4,
+            "outer.max_staleness",
+            f"must be in [0, 4] (pushes are kept 4 rounds), got {self.max_staleness}",
+        )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -51,6 +51,7 @@ class SiteStatus(_message.Message):
     HASH_OK_FIELD_NUMBER: _builtins.int
     LAST_REPORT_ROUND_FIELD_NUMBER: _builtins.int
     LATE_FIELD_NUMBER: _builtins.int
+    LATE_MERGED_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     state: _builtins.str
     """joined, training, left, lost"""
@@ -75,6 +76,8 @@ class SiteStatus(_message.Message):
     """-1 before its first report"""
     late: _builtins.int
     """contributions that arrived after their round closed (dropped)"""
+    late_merged: _builtins.int
+    """late contributions merged into a later round (outer.max_staleness)"""
     def __init__(
         self,
         *,
@@ -92,10 +95,11 @@ class SiteStatus(_message.Message):
         hash_ok: _builtins.bool = ...,
         last_report_round: _builtins.int = ...,
         late: _builtins.int = ...,
+        late_merged: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "eval_loss", b"eval_loss", "hash_ok", b"hash_ok", "last_report_round", b"last_report_round", "last_round", b"last_round", "late", b"late", "lease_remaining_s", b"lease_remaining_s", "rejected", b"rejected", "site", b"site", "state", b"state", "tokens", b"tokens", "train_loss", b"train_loss"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "eval_loss", b"eval_loss", "hash_ok", b"hash_ok", "last_report_round", b"last_report_round", "last_round", b"last_round", "late", b"late", "late_merged", b"late_merged", "lease_remaining_s", b"lease_remaining_s", "rejected", b"rejected", "site", b"site", "state", b"state", "tokens", b"tokens", "train_loss", b"train_loss"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

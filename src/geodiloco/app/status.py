@@ -109,7 +109,7 @@ def format_status(status: Any, viewer: str | None = None) -> str:
         grace_line(status),
         "",
         f"{'site':<14}{'state':<9}{'round':>6}{'lease':>8}{'eval':>9}{'train':>9}"
-        f"{'in':>11}{'out':>11}{'ok':>5}{'late':>5}{'rej':>5}{'hash':>6}",
+        f"{'in':>11}{'out':>11}{'ok':>5}{'late':>5}{'mrgd':>5}{'rej':>5}{'hash':>6}",
     ]
     for s in status.sites:
         lease = f"{s.lease_remaining_s:.1f}s" if s.state == "joined" else "-"
@@ -117,6 +117,6 @@ def format_status(status: Any, viewer: str | None = None) -> str:
         lines.append(
             f"{s.site:<14}{s.state:<9}{last_round:>6}{lease:>8}{_loss(s.eval_loss):>9}"
             f"{_loss(s.train_loss):>9}{human_bytes(s.bytes_in):>11}{human_bytes(s.bytes_out):>11}"
-            f"{s.accepted:>5}{s.late:>5}{s.rejected:>5}{'ok' if s.hash_ok else 'BAD':>6}"
+            f"{s.accepted:>5}{s.late:>5}{s.late_merged:>5}{s.rejected:>5}{'ok' if s.hash_ok else 'BAD':>6}"
         )
     return "\n".join(lines)
