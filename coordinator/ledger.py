@@ -17,10 +17,10 @@ or, when that push never comes within the bound (or the site is lost), its windo
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from typing import Any
 
-from geodiloco.workload.data import DataRange
+from geodiloco.workload.data import DataRange, split_windows
 
 
 class LedgerExhausted(ValueError):
@@ -142,16 +142,25 @@ class DataLedger:
         shard.consumed, shard.epoch, shard.owner = 0, shard.epoch + 1, site
         return index, 0, shard.size, shard.epoch
 
-    def settle(self, round_: int, contributors: set[str], hold: set[str] | None = None) -> None:
-        """At commit: contributors' reservations become consumed; those of the sites in ``hold``
+    def settle(
+        self,
+        round_: int,
+        contributors: set[str],
+        hold: set[str] | None = None,
+        trained: dict[str, list[DataRange]] | None = None,
+    ) -> None:
+        """At commit: contributors' reservations become consumed (only the part in ``trained``,
+        where a round by time trained less: the rest goes back); those of the sites in ``hold``
         (live, and possibly still pushing late) are held; the others are released."""
         for site, ranges in self.reservations.items():
             if site in contributors or site in (hold or set()):
                 for r in ranges:  # in order: a range in a shard's next epoch comes last
                     self._advance(r)
-                    if site in contributors:
-                        self.consumed.append(ConsumedRecord(round_, site, r))
-                if site not in contributors:
+                if site in contributors:
+                    used, rest = split_windows(ranges, _count((trained or {}).get(site, ranges)))
+                    self.consumed += [ConsumedRecord(round_, site, r) for r in used]
+                    self._give_back(rest)
+                else:
                     self.held[(site, round_)] = list(ranges)
                 continue
             for r in ranges:
@@ -180,11 +189,16 @@ class DataLedger:
         """What ``site`` was reserved for closed round ``round_``, held for its late push."""
         return self.held.get((site, round_))
 
-    def consume_held(self, round_: int, site: str, trained_round: int) -> list[DataRange]:
+    def consume_held(
+        self, round_: int, site: str, trained_round: int, trained: list[DataRange] | None = None
+    ) -> list[DataRange]:
         """``site``'s late push of ``trained_round`` was merged into ``round_``: its held windows
-        become consumed there. Windows held for the rounds after it go back: the site was still
-        training ``trained_round`` then, so it never trained them."""
-        ranges = self.held.pop((site, trained_round))
+        (the ``trained`` part of them, in a round by time; the rest goes back) become consumed
+        there. Windows held for the rounds after it go back: the site was still training
+        ``trained_round`` then, so it never trained them."""
+        held = self.held.pop((site, trained_round))
+        ranges, rest = split_windows(held, _count(held if trained is None else trained))
+        self._give_back(rest)
         for r in ranges:
             self.consumed.append(ConsumedRecord(round_, site, r))
         for key in sorted(k for k in self.held if k[0] == site and k[1] > trained_round):
@@ -196,16 +210,38 @@ class DataLedger:
         for key in sorted(k for k in self.held if k[1] < before_round):
             self._give_back(self.held.pop(key))
 
-    def replay(self, round_: int, consumed: list[list[Any]]) -> None:
+    def replay(self, round_: int, consumed: list[list[Any]], after: dict[str, Any] | None = None) -> None:
         """Apply a logged round's consumed ranges ``[site, shard, start, end, epoch]`` (a restart
-        replaying the rounds after its snapshot): the cursors end where the round left them."""
+        replaying the rounds after its snapshot): the cursors end where the round left them.
+        ``after``: the held and returned windows the round left (:meth:`pending_state`), which
+        the cursors passed too; None in a round logged without late merging."""
         self.reservations.clear()
+        self.reissued.clear()  # reservations are made again after the restart
         for site, index, start, end, epoch in consumed:
-            shard = self.shards[index]
-            if (epoch, end) > (shard.epoch, shard.consumed):  # a late-merged range is behind it
-                shard.consumed, shard.epoch = end, epoch
-                shard.owner = site if end < shard.size else None
+            self._replay_cursor(site, DataRange(index, start, end, epoch))
             self.consumed.append(ConsumedRecord(round_, site, DataRange(index, start, end, epoch)))
+        if after is None:
+            return
+        self.held = {
+            (site, int(r)): [DataRange(*d) for d in ranges] for site, r, ranges in after.get("held", [])
+        }
+        self.returned = [DataRange(*d) for d in after.get("returned", [])]
+        for (site, _), ranges in sorted(self.held.items()):
+            for r in ranges:
+                self._replay_cursor(site, r)
+
+    def _replay_cursor(self, site: str, r: DataRange) -> None:
+        shard = self.shards[r.shard]
+        if (r.epoch, r.end) > (shard.epoch, shard.consumed):  # a late-merged range is behind it
+            shard.consumed, shard.epoch = r.end, r.epoch
+            shard.owner = site if r.end < shard.size else None
+
+    def pending_state(self) -> dict[str, Any]:
+        """The held and returned windows, as a round's record keeps them for :meth:`replay`."""
+        return {
+            "held": [[site, r, [astuple(d) for d in v]] for (site, r), v in sorted(self.held.items())],
+            "returned": [astuple(d) for d in self.returned],
+        }
 
     def release_site(self, site: str) -> None:
         """A lost or departed site: its reservation is dropped and its shards return to the pool."""
@@ -265,6 +301,10 @@ class DataLedger:
             returned=[DataRange(**r) for r in state.get("returned", [])],
             reissued={DataRange(**r) for r in state.get("reissued", [])},
         )
+
+
+def _count(ranges: list[DataRange]) -> int:
+    return sum(r.windows for r in ranges)
 
 
 def check_exactly_once(

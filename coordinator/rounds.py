@@ -56,7 +56,7 @@ from geodiloco.coordinator.updatelog import (
 )
 from geodiloco.params import Checksum, add_encoded_and_hash, state_hash
 from geodiloco.security.sealing import Sealer
-from geodiloco.workload.data import DataRange
+from geodiloco.workload.data import DataRange, split_windows
 
 log = logging.getLogger("geodiloco.coordinator")
 T = TypeVar("T")
@@ -122,6 +122,8 @@ class RoundRecord:
     eval_count: int = 0
     hash_reports: dict[str, bool] = field(default_factory=dict)
     late: list[list[Any]] = field(default_factory=list)  # [site, round trained, tokens, weight] merged
+    # the ledger's held and returned windows after the commit (late merging), for a replay
+    pending: dict[str, Any] | None = None
 
     @property
     def eval_loss(self) -> float:
@@ -185,6 +187,7 @@ class RoundController:
         self.firsts: dict[int, float] = {}  # recent rounds' first arrivals (deadlines, late lags)
         self.late_keys: dict[str, list[Any]] = {}  # the open round's late merges: key -> record
         self.late_data: list[list[Any]] = []  # and the windows they consumed
+        self.trained: dict[str, list[DataRange]] = {}  # the open round's part-trained reservations
         self.merged_late: dict[tuple[str, int], int] = {}  # (site, round trained) -> merged into
         self.started = time.monotonic()
         self.unattributed_bytes = 0
@@ -258,11 +261,16 @@ class RoundController:
         fields = {k: v for k, v in update.record.items() if k != "tokens_by_site"}
         record = RoundRecord(**fields)
         self.history.append(record)
-        self.ledger.replay(r, record.data)
+        self.ledger.replay(r, record.data, record.pending)
         for name, tokens in update.record.get("tokens_by_site", {}).items():
             if name in self.sites:
                 site = self.sites[name]
                 site.last_round, site.accepted, site.tokens = r, site.accepted + 1, site.tokens + tokens
+        for name, trained, tokens, _ in record.late:
+            self.merged_late[(name, trained)] = r
+            if name in self.sites:
+                site = self.sites[name]
+                site.late_merged, site.tokens = site.late_merged + 1, site.tokens + tokens
         if isinstance(self.optimizer, NesterovOuter):
             self.optimizer.steps += 1  # the momentum itself resumes from the snapshot
         self.hashes[r + 1] = update.state_hash
@@ -403,18 +411,35 @@ class RoundController:
         return self.ledger.reservation(name) or []
 
     def check_data(self, name: str, data: list[DataRange]) -> None:
-        """A contribution must have trained on exactly the windows the ledger reserved for it."""
+        """A contribution must have trained on exactly the windows the ledger reserved for it
+        (in a round by time, the first whole steps' worth of them: kept in ``trained``)."""
         expected = self.ledger.reservation(name)
         if expected is None:
             try:
                 expected = self.ledger.reserve(name, self.windows_per_round(self.sites[name]))
             except LedgerExhausted as exc:
                 raise FailedPrecondition(f"site {name!r} has no data reserved this round: {exc}") from None
-        if data != expected:
+        if not self._trained_part(name, data, expected):
             raise FailedPrecondition(
                 f"site {name!r} trained on {_ranges(data)}, "
                 f"but the ledger reserved {_ranges(expected)}; rejoin"
             )
+        if data != expected:
+            self.trained[name] = data
+
+    def _trained_part(self, name: str, data: list[DataRange], reserved: list[DataRange]) -> bool:
+        """``data`` is all of ``reserved``, or with ``inner.round_seconds`` the windows of its
+        first n ≥ 1 steps (n × world_size × data.batch_size windows)."""
+        if data == reserved:
+            return True
+        per_step = self.windows_for(self.sites[name].world_size) // self.cfg.inner.steps_per_round
+        count = sum(d.windows for d in data)
+        return (
+            self.cfg.inner.round_seconds > 0
+            and count > 0
+            and count % per_step == 0
+            and split_windows(reserved, count)[0] == data
+        )
 
     def live_sites(self) -> set[str]:
         return {s.name for s in self.sites.values() if s.state == "joined"}
@@ -437,7 +462,13 @@ class RoundController:
             if self._mergeable(name, round_):
                 return False  # to be merged into the open round
             first, bound = self.firsts.get(round_), self.cfg.outer.max_staleness
-            beyond = f"; it is more than outer.max_staleness ({bound}) rounds behind" if bound else ""
+            beyond = (
+                ""
+                if not bound
+                else f"; it is more than outer.max_staleness ({bound}) rounds behind"
+                if self.round - round_ > bound
+                else "; no windows are held for it (an earlier push of it was merged late, or it was lost)"
+            )
             raise LateContribution(
                 f"round {round_} is closed; the current round is {self.round}{beyond}",
                 None if first is None else time.monotonic() - first,
@@ -526,7 +557,7 @@ class RoundController:
         """Fold a late push into the open round with weight ``tokens // (1 + staleness)``; the
         windows it trained, held since its round closed, become consumed in this round."""
         held = self.ledger.held_for(name, round_)
-        if data is not None and data != held:
+        if data is not None and (held is None or not self._trained_part(name, data, held)):
             raise FailedPrecondition(
                 f"site {name!r} trained round {round_} on {_ranges(data)}, "
                 f"but the ledger reserved {_ranges(held or [])}; rejoin"
@@ -537,7 +568,7 @@ class RoundController:
         await asyncio.to_thread(self.mean.fold, key, delta, weight)
         self.late_keys[key] = [name, round_, tokens, weight]
         self.merged_late[(name, round_)] = self.round
-        for d in self.ledger.consume_held(self.round, name, round_):
+        for d in self.ledger.consume_held(self.round, name, round_, data):
             self.late_data.append([name, d.shard, d.start, d.end, d.epoch])
         first = self.firsts.get(round_)
         if first is not None:
@@ -659,11 +690,15 @@ class RoundController:
         self.updates[r] = update
         self.hashes[r + 1] = digest
         consumed = self.late_data + [
-            [site, d.shard, d.start, d.end, d.epoch] for site in contributors for d in self.data_for(site)
+            [site, d.shard, d.start, d.end, d.epoch]
+            for site in contributors
+            for d in self.trained.get(site, self.data_for(site))
         ]
         staleness = self.cfg.outer.max_staleness
         # with late merging, a live site that missed the round may still push what it trained
-        self.ledger.settle(r, set(contributors), hold=self.live_sites() if staleness else None)
+        self.ledger.settle(
+            r, set(contributors), hold=self.live_sites() if staleness else None, trained=self.trained
+        )
         record = RoundRecord(
             round=r,
             contributors=contributors,
@@ -676,8 +711,10 @@ class RoundController:
         )
         self.history.append(record)
         self.round += 1
-        self.late_keys, self.late_data = {}, []
+        self.late_keys, self.late_data, self.trained = {}, [], {}
         self.ledger.expire_held(self.round - staleness)  # too stale to merge: the windows go back
+        by_time = self.cfg.inner.round_seconds > 0  # returns what a round by time did not train
+        record.pending = self.ledger.pending_state() if staleness or by_time else None
         for key in [k for k, merged in self.merged_late.items() if merged < self.round - KEEP_DIGESTS]:
             del self.merged_late[key]
         for key in [k for k in self.push_digests if k[1] < self.round - KEEP_DIGESTS]:
@@ -830,6 +867,7 @@ class RoundController:
             "duration_s": round(record.duration_s, 3),
             "data": record.data,
             "late": record.late,
+            "pending": record.pending,
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -862,6 +900,9 @@ class RoundController:
         self.downlink_feedback.load_state_dict({"residual": state["downlink_residual"]})
         self.hashes = {int(k): v for k, v in state["hashes"].items()}
         self.history = [RoundRecord(**h) for h in state["history"]]
+        for h in self.history[-KEEP_DIGESTS:]:  # to tell a merged push's retry from a late push
+            for name, trained, _, _ in h.late:
+                self.merged_late[(name, trained)] = h.round
         self.ledger = DataLedger.from_state_dict(state["ledger"])
         now = time.monotonic()
         for name, saved in state["sites"].items():

@@ -110,6 +110,10 @@ class InnerConfig:
     """
 
     steps_per_round: int = 25
+    # rounds by time: each site trains until this many seconds of its round passed (at least one
+    # step, at most steps_per_round, the windows the ledger reserves) and weighs what it trained;
+    # 0: every round is steps_per_round steps
+    round_seconds: float = 0.0
     lr: float | None = None  # reference optimizer: 6e-3
     weight_decay: float | None = None  # reference optimizer: 0.01
     warmup_steps: int = 0
@@ -119,6 +123,11 @@ class InnerConfig:
 
     def __post_init__(self) -> None:
         _require(self.steps_per_round > 0, "inner.steps_per_round", "must be > 0")
+        _require(
+            0 <= self.round_seconds < float("inf"),
+            "inner.round_seconds",
+            f"must be >= 0 (0: rounds of steps_per_round steps), got {self.round_seconds}",
+        )
         _require(self.lr is None or self.lr > 0, "inner.lr", f"must be > 0, got {self.lr}")
         _require(self.weight_decay is None or self.weight_decay >= 0, "inner.weight_decay", "must be >= 0")
         _require(self.warmup_steps >= 0, "inner.warmup_steps", "must be >= 0")
@@ -173,7 +182,7 @@ class OuterConfig:
     mix_alpha: float = 0.5
     # a push up to this many rounds late is merged into its fragment's open round with weight
     # tokens // (1 + staleness), not dropped (0: late pushes are dropped)
-    max_staleness: int = 0
+    max_staleness: int = 2
 
     def __post_init__(self) -> None:
         _require(
@@ -203,7 +212,7 @@ class GraceConfig:
     included), the ``quantile`` of those, times ``1 + margin``, plus ``floor_s``, never more
     than ``round_timeout_s`` (:mod:`geodiloco.coordinator.grace`)."""
 
-    adaptive: bool = False
+    adaptive: bool = True
     quantile: float = 0.9
     margin: float = 0.5
     floor_s: float = 0.5

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,11 +23,15 @@ N = 64
 SHARDS = [1000] * 24
 
 
-def controller(max_staleness: int) -> RoundController:
+def controller(max_staleness: int, run_dir: Path | None = None) -> RoundController:
     cfg = tiny_config(
-        min_sites=1, limits__max_delta_norm_ratio=0.0, outer__max_staleness=max_staleness, rounds=6
+        min_sites=1,
+        limits__max_delta_norm_ratio=0.0,
+        outer__max_staleness=max_staleness,
+        rounds=6,
+        snapshot_every=100,  # with a run directory: a restart replays every round
     )
-    return RoundController(cfg, torch.zeros(N), SHARDS)
+    return RoundController(cfg, torch.zeros(N), SHARDS, run_dir)
 
 
 async def close_without_the_others(c: RoundController, name: str, delta: torch.Tensor, tokens: int) -> None:
@@ -101,6 +106,35 @@ async def test_a_push_beyond_the_staleness_bound_is_refused_and_its_windows_go_b
     assert check_exactly_once(consumed(c), SHARDS, c.ledger.pending()) == []  # but returned
 
 
+async def test_held_windows_survive_a_restart_that_replays_the_rounds(tmp_path: Path) -> None:
+    """The rounds after the snapshot are replayed from the log: the windows held for site-b at
+    the crash are held again, so its late push still merges, and none shows as skipped."""
+    c = controller(max_staleness=2, run_dir=tmp_path)
+    for name in c.cfg.sites:
+        await c.join(name, "")
+    b_windows = c.data_for("site-b")
+    await close_without_the_others(c, "site-a", torch.full((N,), 0.01), 100)
+    await close_without_the_others(c, "site-a", torch.full((N,), 0.01), 100)
+    assert c.round == 2 and c.snapshot_round is None and c.ledger.held_for("site-b", 0) == b_windows
+    held_at_crash = dict(c.ledger.held)
+
+    resumed = RoundController(c.cfg, torch.zeros(N), SHARDS, tmp_path)  # a restart: 0 and 1 replayed
+    assert resumed.round == 2 and resumed.ledger.held == held_at_crash
+    assert check_exactly_once(consumed(resumed), SHARDS, resumed.ledger.pending()) == []
+    for name in resumed.cfg.sites:
+        await resumed.join(name, "")
+    assert not set(resumed.data_for("site-a")) & set(b_windows)  # nobody else gets them
+    await resumed.contribute("site-b", "", 0, 300, torch.full((N,), 0.01), data=b_windows)
+    await close_without_the_others(resumed, "site-a", torch.full((N,), 0.01), 100)
+    assert resumed.history[2].late == [["site-b", 0, 300, 100]]
+    assert resumed.sites["site-b"].late_merged == 1
+    assert check_exactly_once(consumed(resumed), SHARDS, resumed.ledger.pending()) == []
+    again = RoundController(c.cfg, torch.zeros(N), SHARDS, tmp_path)
+    assert again.sites["site-b"].late_merged == 1
+    await again.join("site-b", "")
+    assert await again.contribute("site-b", "", 0, 300, torch.full((N,), 0.01)) is False  # a retry
+
+
 @pytest.mark.parametrize(("fragments", "overlap"), [(1, 0), (2, 1)])
 def test_a_late_site_is_merged_and_goes_on_without_a_resync(
     fragments: int, overlap: int, caplog: pytest.LogCaptureFixture
@@ -133,3 +167,36 @@ def test_a_late_site_is_merged_and_goes_on_without_a_resync(
         primary = coordinator.controller.primary
         assert check_exactly_once(consumed(primary), [10_000] * cfg.data.shards) == []
         assert all(h.hashes_agree for c in coordinator.controller.fragments for h in c.history)
+
+
+def test_a_site_two_rounds_late_is_merged_then_refused_once_and_resyncs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """site-b's push of round 1 comes after rounds 1 and 2 closed without it: merged into round 3
+    (staleness 2). Its next push, of round 2, was trained on the data of round 3 while the
+    windows of round 2 went back: refused once, and site-b resyncs; every window once, every
+    replica the same."""
+    caplog.set_level("INFO")
+    cfg = streaming_config(1, 0, rounds=6, min_sites=1, round_timeout_s=0.2)
+    assert cfg.outer.max_staleness == 2  # the default
+    with coordinator_for(cfg) as coordinator:
+        c0 = coordinator.fragment(0)
+        push_at = 2 * cfg.inner.steps_per_round - 1
+
+        def stall(sync: OuterSync, step: int) -> None:
+            if step == push_at:
+                end = time.monotonic() + 30
+                while c0.round < 3:
+                    assert time.monotonic() < end, "rounds 1 and 2 did not close without site-b"
+                    time.sleep(0.01)
+
+        out = run_sites(coordinator, {"site-b": stall})
+        b = c0.sites["site-b"]
+        assert c0.history[3].late[0][:2] == ["site-b", 1] and b.late_merged == 1
+        assert b.late == 1 and "no windows are held for it" in caplog.text
+        assert "round 2: caught up to round 3 with 1 kept updates" in caplog.text  # no full state
+        theta = coordinator.controller.theta()
+        for site in out.values():
+            assert torch.equal(global_snapshot(site["sync"]), theta)
+        assert check_exactly_once(consumed(c0), [10_000] * cfg.data.shards, c0.ledger.pending()) == []
+        assert all(h.hashes_agree for h in c0.history)
