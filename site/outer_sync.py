@@ -679,6 +679,7 @@ class OuterSync:
             if f.digest() != f.state_hash:
                 f.reload()
                 log.info("loaded fragment %d's global state of round %d", f.index, f.round)
+        self.clock.restart()  # the first round's window starts with training, not at the join
         return model
 
     def reload_global_state(self) -> None:
