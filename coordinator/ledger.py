@@ -229,12 +229,21 @@ class DataLedger:
         for (site, _), ranges in sorted(self.held.items()):
             for r in ranges:
                 self._replay_cursor(site, r)
+        # the untrained rest of a round by time: its reservation moved the cursor past it too,
+        # or the next reservation would hand it out from the cursor as well as from `returned`
+        for r in self.returned:
+            self._replay_cursor(None, r)
 
-    def _replay_cursor(self, site: str, r: DataRange) -> None:
+    def _replay_cursor(self, site: str | None, r: DataRange) -> None:
+        """Move the cursor past ``r`` unless it is there already (a late-merged or returned range
+        is behind it); ``site`` continues the shard (None: whoever did before)."""
         shard = self.shards[r.shard]
-        if (r.epoch, r.end) > (shard.epoch, shard.consumed):  # a late-merged range is behind it
+        if (r.epoch, r.end) > (shard.epoch, shard.consumed):
             shard.consumed, shard.epoch = r.end, r.epoch
-            shard.owner = site if r.end < shard.size else None
+            if r.end == shard.size:
+                shard.owner = None
+            elif site is not None:
+                shard.owner = site
 
     def pending_state(self) -> dict[str, Any]:
         """The held and returned windows, as a round's record keeps them for :meth:`replay`."""

@@ -4,6 +4,7 @@ end on the clock and whose ranks agree on every round's step count."""
 
 from __future__ import annotations
 
+from dataclasses import astuple
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,37 @@ async def test_the_coordinator_takes_whole_steps_of_the_reservation_and_weighs_t
     assert sum(d[3] - d[2] for d in record.data if d[0] == "site-a") == per_step
     assert record.pending is not None and record.pending["returned"]  # a's untrained windows
     assert check_exactly_once(c.ledger.consumed, [1000] * cfg.data.shards, c.ledger.pending()) == []
+
+
+async def test_a_restart_that_replays_a_round_by_time_hands_its_untrained_windows_out_once(
+    tmp_path: Path,
+) -> None:
+    """The chaos plan's coordinator restart in benchmarks/hetero.py (mode c): the windows a round
+    by time gave back are behind the cursor; a restart replaying that round from the log (the
+    snapshot predates it) hands them out once, not again from a cursor left before them."""
+    cfg = tiny_config(
+        min_sites=1, limits__max_delta_norm_ratio=0.0, inner__round_seconds=0.5, snapshot_every=100
+    )
+    shards = [1000] * cfg.data.shards
+    c = RoundController(cfg, torch.zeros(N), shards, tmp_path)
+    for name in cfg.sites:
+        await c.join(name, "")
+    a, b = c.data_for("site-a"), c.data_for("site-b")
+    trained, rest = split_windows(a, cfg.data.batch_size)  # one step of one rank
+    await c.contribute("site-a", "", 0, 10, torch.ones(N), data=trained)
+    await c.contribute("site-b", "", 0, 30, torch.ones(N), data=b)
+    assert c.round == 1 and c.snapshot_round is None
+    assert c.history[0].pending == {"held": [], "returned": [astuple(r) for r in rest]}
+    resumed = RoundController(cfg, torch.zeros(N), shards, tmp_path)  # round 0 replayed
+    assert [(s.consumed, s.epoch) for s in resumed.ledger.shards] == [
+        (s.consumed, s.epoch) for s in c.ledger.shards
+    ]
+    for name in cfg.sites:
+        await resumed.join(name, "")
+    for name in cfg.sites:
+        await resumed.contribute(name, "", 1, 10, torch.ones(N), data=resumed.data_for(name))
+    assert resumed.round == 2
+    assert check_exactly_once(resumed.ledger.consumed, shards, resumed.ledger.pending()) == []
 
 
 @pytest.mark.integration
