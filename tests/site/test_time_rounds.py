@@ -110,25 +110,30 @@ async def test_a_restart_that_replays_a_round_by_time_hands_its_untrained_window
 def test_a_two_rank_site_ends_its_rounds_on_the_clock_with_its_ranks_agreed(
     rank_pool: RankPool, tmp_path: Path
 ) -> None:
-    """site-a's two ranks train until the round's window closes (far fewer steps than the cap of
-    steps_per_round): a rank that stopped a step earlier or later than the other would push
-    other windows and tokens, which the coordinator refuses; every round takes both sites."""
+    """A site of two real gloo ranks trains until the round's window closes (far fewer steps
+    than the cap of steps_per_round): a rank that stopped a step earlier or later than the other
+    would push other windows and tokens than its peer, which the coordinator refuses (or the
+    ranks' collectives would hang); every round takes the site's push, in whole steps of both
+    ranks."""
     cfg = tiny_config(
-        rounds=3,
-        min_sites=2,
+        rounds=2,
+        sites=["site-a"],
+        min_sites=1,
         inner__steps_per_round=400,
         inner__round_seconds=0.3,
         data__batch_size=2,
         limits__max_delta_norm_ratio=0.0,  # hundreds of steps of a tiny model move it far
     )
     with CoordinatorThread(cfg) as coordinator:
-        run_sites(rank_pool, coordinator.target, {"site-a": (2, []), "site-b": (1, [])}, tmp_path)
+        run_sites(rank_pool, coordinator.target, {"site-a": (2, [])}, tmp_path)
         c = coordinator.controller
-        assert c.finished and [h.round for h in c.history] == [0, 1, 2]
+        assert c.finished and [h.round for h in c.history] == [0, 1]
         for h in c.history:
-            assert sorted(h.contributors) == ["site-a", "site-b"] and h.hashes_agree
-            steps = sum(d[3] - d[2] for d in h.data if d[0] == "site-a") // (2 * cfg.data.batch_size)
-            assert 1 <= steps < cfg.inner.steps_per_round  # ended on the clock, in whole steps
+            assert h.contributors == ["site-a"] and h.hashes_agree
+            windows = sum(d[3] - d[2] for d in h.data)
+            steps, rest = divmod(windows, 2 * cfg.data.batch_size)
+            assert rest == 0 and 1 <= steps < cfg.inner.steps_per_round  # on the clock, whole steps
+            assert h.tokens == windows * cfg.model.seq_len  # both ranks' tokens, summed once
         assert c.sites["site-a"].rejected == 0 and c.sites["site-a"].late == 0
         consumed = list(c.ledger.consumed)
         assert check_exactly_once(consumed, [s.size for s in c.ledger.shards], c.ledger.pending()) == []
