@@ -213,7 +213,10 @@ class FragmentSync:
         local = owner.tokens_in_round if blocking_whole else self.tokens
         self.tokens = 0
         replication = self.group.world // owner.data_parallel_size
-        return self.group.sum(local) // max(replication, 1)
+        tokens = self.group.sum(local) // max(replication, 1)
+        if self.group.rank == 0:  # what the site computed, pushed or not (benchmarks/hetero.py: goodput)
+            log.info("%s: pushing %d tokens", self.name(self.round), tokens)
+        return tokens
 
     def sync_now(self) -> None:
         """Push this fragment's pseudo-gradient and merge its committed update (blocking)."""
