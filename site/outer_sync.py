@@ -610,6 +610,9 @@ class OuterSync:
         self.finished = self.info.finished
         self.steps_in_round = 0
         self.tokens_in_round = 0
+        # the inner steps this site trained (lr_step in rounds by time): a site that joins a
+        # running run without a checkpoint counts the rounds before it at steps_per_round each
+        self.steps_trained = self.round * self.config.inner.steps_per_round
         self.uplink = self.config.compression.uplink_pipeline
         self.model: nn.Module | None = None
         self.shards: ShardMap | None = None
@@ -707,6 +710,7 @@ class OuterSync:
         if not self.fragments:
             raise RuntimeError("call attach(model) before training")
         self.steps_in_round += 1
+        self.steps_trained += 1
         self.tokens_in_round += tokens
         at = self.steps_in_round
         # a round by time, synced blocking, ends at the first step after its window on any
@@ -742,6 +746,15 @@ class OuterSync:
         for f in self.fragments:
             if f.in_flight is not None:
                 f.land()
+
+    @property
+    def lr_step(self) -> int:
+        """The global step the inner lr's warm-up and decay are at for the next step: round × H
+        plus the steps of this round, or in rounds by time the steps this site really trained
+        (a round's H varies and is not the same at every site)."""
+        if self.clock.by_time:
+            return self.steps_trained
+        return self.round * self.config.inner.steps_per_round + self.steps_in_round
 
     def trained_data(self) -> list[DataRange]:
         """The windows of this round's steps: all the ledger reserved, or in a round by time the

@@ -4,6 +4,8 @@ end on the clock and whose ranks agree on every round's step count."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import astuple
 from pathlib import Path
 
@@ -14,7 +16,8 @@ from geodiloco.coordinator.ledger import DataLedger, check_exactly_once
 from geodiloco.coordinator.refusals import FailedPrecondition
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.site.fragment_schedule import Schedule
-from geodiloco.site.outer_sync import RoundClock
+from geodiloco.site.outer_sync import OuterSync, RoundClock
+from geodiloco.testing import local_runs
 from geodiloco.testing.configs import tiny_config
 from geodiloco.testing.rank_pool import RankPool, run_sites
 from geodiloco.testing.servers import CoordinatorThread
@@ -137,3 +140,24 @@ def test_a_two_rank_site_ends_its_rounds_on_the_clock_with_its_ranks_agreed(
         assert c.sites["site-a"].rejected == 0 and c.sites["site-a"].late == 0
         consumed = list(c.ledger.consumed)
         assert check_exactly_once(consumed, [s.size for s in c.ledger.shards], c.ledger.pending()) == []
+
+
+def test_the_lr_schedule_counts_the_steps_a_site_really_trained() -> None:
+    """In rounds by time a slow site trains fewer steps per round than a fast one, and both far
+    fewer than the cap: the inner lr's warm-up and decay count the steps each really trained, not
+    round × steps_per_round."""
+    cfg = tiny_config(rounds=3, min_sites=2, inner__steps_per_round=200, inner__round_seconds=0.1)
+    seen: dict[str, list[int]] = {"site-a": [], "site-b": []}
+
+    def hook(name: str) -> Callable[[OuterSync, int], None]:
+        def at(sync: OuterSync, step: int) -> None:
+            seen[name].append(sync.lr_step)
+            time.sleep(0.01 if name == "site-b" else 0.002)  # at most 50 steps a round: below the cap
+
+        return at
+
+    with local_runs.coordinator_for(cfg) as coordinator:
+        local_runs.run_sites(coordinator, {name: hook(name) for name in cfg.sites})
+    for steps in seen.values():  # before each step, the steps trained before it
+        assert steps == list(range(len(steps))) and len(steps) < cfg.rounds * cfg.inner.steps_per_round
+    assert len(seen["site-b"]) < len(seen["site-a"])
