@@ -26,7 +26,10 @@ PATH``), exactly these keys per row:
 - ``hashes_agree``, ``ledger_audit_clean``: every site's hash, the round log's chain, and every
   data window consumed once.
 
-``details`` holds per mode what the figures came from (rounds, tokens, the budget).
+``details`` holds per mode what the figures came from: rounds committed and lost, tokens
+committed and computed, whether it reached the budget, and the part of ``fast_idle_share`` spent
+after the round's last acceptance (the commit itself, or a grace window waiting for a site that
+never pushed in time).
 
     python benchmarks/hetero.py [--json PATH] [--rounds 24] [--steps 16] [--keep DIR] [--smoke]
 """
@@ -143,9 +146,12 @@ def run_mode(name: str, mode: Mode, faults: list[Fault], workdir: Path) -> dict[
     status = soak.status
     commits, accepted = times(workdir / "coordinator.log")
     first, last = min(commits), max(commits)
-    idle = sum(
-        commits[r] - t for (r, site), t in accepted.items() if site in FAST and r in commits and r > first
-    )
+    waits = [(r, t) for (r, site), t in accepted.items() if site in FAST and r in commits and r > first]
+    idle = sum(commits[r] - t for r, t in waits)
+    # of which the commit itself: from the round's last acceptance to its commit
+    last_in = {r: max(t for (q, _), t in accepted.items() if q == r) for r, _ in waits}
+    committing = sum(commits[r] - last_in[r] for r, _ in waits)
+    span = len(FAST) * max(commits[last] - commits[first], 1e-9)
     losses = eval_losses(soak.run_dir)
     cumulative, tokens, curve = 0, [], []
     for e in sorted(log, key=lambda e: e["round"]):
@@ -158,12 +164,18 @@ def run_mode(name: str, mode: Mode, faults: list[Fault], workdir: Path) -> dict[
     return {
         "mode": name,
         "goodput": cumulative / computed if computed else math.nan,
-        "fast_idle_share": idle / (len(FAST) * max(commits[last] - commits[first], 1e-9)),
+        "fast_idle_share": idle / span,
         "late_merged": sum(s.late_merged for s in status.sites),
         "late_dropped": sum(s.late for s in status.sites),
         "hashes_agree": result["hash_mismatches"] == 0 and all(h.hashes_agree for h in status.history),
         "ledger_audit_clean": not ledger_problems(log, soak.cfg),
-        "_details": {"rounds": len(log), "tokens_committed": cumulative, "tokens_computed": computed},
+        "_details": {
+            "rounds": len(log),
+            "rounds_lost": result["rounds_lost"],
+            "tokens_committed": cumulative,
+            "tokens_computed": computed,
+            "fast_idle_committing_share": committing / span,
+        },
         "_tokens": tokens,
         "_curve": curve,
     }

@@ -29,6 +29,7 @@ def test_hetero_smoke(run_benchmark: Callable[..., Any]) -> None:
         assert set(row) == KEYS, f"mode {row['mode']}: {set(row) ^ KEYS}"
         details = r["details"][row["mode"]]
         assert details["reached_budget"] and details["tokens_computed"] >= details["tokens_committed"] > 0
+        assert details["rounds_lost"] == 0
         assert 0 < row["goodput"] <= 1 and 0 <= row["fast_idle_share"] < 1
         assert row["hashes_agree"] and row["ledger_audit_clean"]
         assert row["wall_s"] > 0 and row["final_eval_loss"] > 0 and row["eval_loss_at_equal_wall"] > 0
