@@ -124,6 +124,8 @@ class RoundRecord:
     late: list[list[Any]] = field(default_factory=list)  # [site, round trained, tokens, weight] merged
     # the ledger's held and returned windows after the commit (late merging), for a replay
     pending: dict[str, Any] | None = None
+    # the arrival lags the grace window measured in this round: a restart measures on from them
+    lags: list[float] | None = None
 
     @property
     def eval_loss(self) -> float:
@@ -262,6 +264,8 @@ class RoundController:
         record = RoundRecord(**fields)
         self.history.append(record)
         self.ledger.replay(r, record.data, record.pending)
+        if record.lags is not None:
+            self.grace.rounds.append(record.lags)
         for name, tokens in update.record.get("tokens_by_site", {}).items():
             if name in self.sites:
                 site = self.sites[name]
@@ -723,6 +727,7 @@ class RoundController:
             self._reserve_next_round()
         self.round_opened = time.monotonic()
         self.grace.closed(self.arrivals, self.cfg.quorum)
+        record.lags = [round(lag, 4) for lag in self.grace.rounds[-1]]
         self.arrivals = []
         for old in [k for k in self.firsts if k < self.round - KEEP_DIGESTS]:
             del self.firsts[old]
@@ -900,6 +905,9 @@ class RoundController:
         self.downlink_feedback.load_state_dict({"residual": state["downlink_residual"]})
         self.hashes = {int(k): v for k, v in state["hashes"].items()}
         self.history = [RoundRecord(**h) for h in state["history"]]
+        for h in self.history[-self.cfg.grace.rounds :]:  # the grace window as it was, not the bound
+            if h.lags is not None:
+                self.grace.rounds.append(h.lags)
         for h in self.history[-KEEP_DIGESTS:]:  # to tell a merged push's retry from a late push
             for name, trained, _, _ in h.late:
                 self.merged_late[(name, trained)] = h.round

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -109,3 +111,27 @@ async def test_the_controller_closes_on_the_measured_window_and_status_shows_it(
     assert c.grace.window_s > window
     text = format_status(status_message(c))
     assert f"grace window: {c.grace.window_s:.1f}s after a round's first contribution" in text
+
+
+@pytest.mark.parametrize("snapshot_every", [1, 100])  # restored from the snapshot, or replayed
+async def test_a_restarted_coordinator_keeps_the_measured_window(tmp_path: Path, snapshot_every: int) -> None:
+    """Each round's record keeps the lags it measured: a restarted coordinator waits the window
+    it had, not round_timeout_s until it has measured a round again (the chaos plan's restarts
+    in benchmarks/hetero.py left its fast sites waiting for a site that was gone)."""
+    cfg = tiny_config(
+        round_timeout_s=60.0,
+        min_sites=1,
+        limits__max_delta_norm_ratio=0.0,
+        grace__floor_s=0.5,
+        snapshot_every=snapshot_every,
+    )
+    c = RoundController(cfg, torch.zeros(N), [1000] * cfg.data.shards, tmp_path)
+    for name in cfg.sites:
+        await c.join(name, "")
+    for r in range(2):
+        for name in cfg.sites:
+            await c.contribute(name, "", r, 10, torch.ones(N))
+    assert c.round == 2 and c.grace.window_s < 60.0 and c.history[1].lags == [round(c.grace.rounds[-1][0], 4)]
+    resumed = RoundController(cfg, torch.zeros(N), [1000] * cfg.data.shards, tmp_path)
+    assert resumed.round == 2 and (resumed.snapshot_round == 2) == (snapshot_every == 1)
+    assert resumed.grace.window_s == pytest.approx(c.grace.window_s, abs=1e-3)
