@@ -19,7 +19,9 @@ PATH``), exactly these keys per row:
   round's commit (the coordinator's log), over the rounds after the first (which waits for
   every site to start), / the time from the first commit to the last;
 - ``late_merged``, ``late_dropped``: pushes merged into a later round, dropped as late;
-- ``wall_s``: from the start of the processes to the commit that reached the token budget;
+- ``wall_s``: from the first commit (every site joined and trained its first round) to the
+  commit that reached the token budget; the start-up before it (seconds of imports and a dry
+  step, the same work in every mode) moved by 10 s between modes on a loaded machine;
 - ``final_eval_loss``: the eval loss at the budget (rounds whose reports cover the whole eval set);
 - ``eval_loss_at_equal_wall``: the last eval loss each mode had at the ``wall_s`` of the fastest
   mode (its initial loss, θ_0's, when it had none yet);
@@ -154,9 +156,10 @@ def run_mode(name: str, mode: Mode, faults: list[Fault], workdir: Path) -> dict[
     span = len(FAST) * max(commits[last] - commits[first], 1e-9)
     losses = eval_losses(soak.run_dir)
     cumulative, tokens, curve = 0, [], []
-    for e in sorted(log, key=lambda e: e["round"]):
+    log.sort(key=lambda e: e["round"])
+    for e in log:
         cumulative += e["tokens"]
-        at = soak.commits[e["round"]] - soak.started
+        at = soak.commits[e["round"]] - soak.commits[log[0]["round"]]
         tokens.append((cumulative, at))
         if e["round"] in losses:
             curve.append((cumulative, at, losses[e["round"]]))

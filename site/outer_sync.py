@@ -613,6 +613,7 @@ class OuterSync:
         # the inner steps this site trained (lr_step in rounds by time): a site that joins a
         # running run without a checkpoint counts the rounds before it at steps_per_round each
         self.steps_trained = self.round * self.config.inner.steps_per_round
+        self.training = False  # until the first step: the first round's window starts there
         self.uplink = self.config.compression.uplink_pipeline
         self.model: nn.Module | None = None
         self.shards: ShardMap | None = None
@@ -685,7 +686,6 @@ class OuterSync:
             if f.digest() != f.state_hash:
                 f.reload()
                 log.info("loaded fragment %d's global state of round %d", f.index, f.round)
-        self.clock.restart()  # the first round's window starts with training, not at the join
         return model
 
     def reload_global_state(self) -> None:
@@ -709,6 +709,9 @@ class OuterSync:
         this step; True when it closed a round (every H steps)."""
         if not self.fragments:
             raise RuntimeError("call attach(model) before training")
+        if not self.training:  # not at the join: building the model, the data and a dry step
+            self.training = True  # take seconds, which would close the first window at once
+            self.clock.restart()
         self.steps_in_round += 1
         self.steps_trained += 1
         self.tokens_in_round += tokens
