@@ -21,7 +21,7 @@ PATH``), exactly these keys per row:
 - ``late_merged``, ``late_dropped``: pushes merged into a later round, dropped as late;
 - ``wall_s``: from the first commit (every site joined and trained its first round) to the
   commit that reached the token budget; the start-up before it (seconds of imports and a dry
-  step, the same work in every mode) moved by 10 s between modes on a loaded machine;
+  step, the same work in every mode) moved by up to 12 s between modes on a loaded machine;
 - ``final_eval_loss``: the eval loss at the budget (rounds whose reports cover the whole eval set);
 - ``eval_loss_at_equal_wall``: the last eval loss each mode had at the ``wall_s`` of the fastest
   mode (its initial loss, θ_0's, when it had none yet);
