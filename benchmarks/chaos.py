@@ -67,6 +67,7 @@ class Settings:
     chunk_elements: int = 2048  # several chunks per push and pull, to place faults between
     latency_ms: float = 5.0
     smoke: bool = False
+    slow_link: bool = True  # with faults: site-3 behind a slow link (benchmarks/hetero.py: only in c)
     timeout_s: float = 3000.0
 
     def run_config(self) -> RunConfig:
@@ -143,7 +144,7 @@ class Soak:
         self.serve_args += ["--run-dir", str(self.run_dir), "--insecure"]
         self.proxies = {}
         for name in SITES:
-            slow = name == SLOW_SITE and bool(faults) and not settings.smoke
+            slow = name == SLOW_SITE and bool(faults) and settings.slow_link and not settings.smoke
             mbps = slow_link_mbps(settings, self.cfg) if slow else 0.0
             link = LinkConfig(latency_ms=settings.latency_ms, bandwidth_mbps=mbps)
             self.proxies[name] = ProxyThread(self.target, link, control_port=0)
@@ -222,7 +223,7 @@ class Soak:
                         self.restarts[name] += 1
                 time.sleep(POLL_S)
             self.poll_rounds()
-            status = fetch_status(self.target, None)
+            status = self.status = fetch_status(self.target, None)
             request_shutdown(self.target, None)
             coordinator.wait(timeout=60)
         finally:

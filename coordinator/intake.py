@@ -690,7 +690,7 @@ class Pushes:
         duplicate = c.check_push(h.site, h.run_id, h.round)
         intake = self.intakes[h.fragment]
         stream = await intake.begin(first)  # authenticated before anything of it is kept
-        intake.drop_closed(c.round)
+        intake.drop_closed(c.round - c.cfg.outer.max_staleness)  # a late part may still be merged
         if not duplicate and not c.check_push(h.site, h.run_id, h.round):
             stream.open()
         return stream

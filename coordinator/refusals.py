@@ -26,7 +26,12 @@ class FailedPrecondition(CoordinatorError):
 
 
 class LateContribution(FailedPrecondition):
-    """A push for a round that already closed without it (a straggler)."""
+    """A push for a round that already closed without it (a straggler); ``after_s``: how long
+    after its round's first contribution it came (None when no longer known)."""
+
+    def __init__(self, message: str, after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.after_s = after_s
 
 
 class AlreadyAccepted(CoordinatorError):

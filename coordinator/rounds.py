@@ -30,6 +30,7 @@ from geodiloco.compression.frames import chunk_ranges
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.aggregator import Contribution, TensorContribution, WeightedMean, sum_of_squares
 from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError, StateError, load_state, save_state
+from geodiloco.coordinator.grace import Arrival, GraceWindow
 from geodiloco.coordinator.journal import JsonLines
 from geodiloco.coordinator.ledger import DataLedger, LedgerExhausted
 from geodiloco.coordinator.outer_optimizer import NesterovOuter, build_outer_optimizer
@@ -55,7 +56,7 @@ from geodiloco.coordinator.updatelog import (
 )
 from geodiloco.params import Checksum, add_encoded_and_hash, state_hash
 from geodiloco.security.sealing import Sealer
-from geodiloco.workload.data import DataRange
+from geodiloco.workload.data import DataRange, split_windows
 
 log = logging.getLogger("geodiloco.coordinator")
 T = TypeVar("T")
@@ -74,7 +75,8 @@ class SiteRecord:
     last_round: int = -1  # last round contributed to
     accepted: int = 0
     rejected: int = 0
-    late: int = 0
+    late: int = 0  # pushes dropped because their round had closed
+    late_merged: int = 0  # pushes merged into a later round (outer.max_staleness)
     bytes_in: int = 0
     bytes_out: int = 0
     eval_loss: float = float("nan")
@@ -119,6 +121,11 @@ class RoundRecord:
     eval_loss_sum: float = 0.0
     eval_count: int = 0
     hash_reports: dict[str, bool] = field(default_factory=dict)
+    late: list[list[Any]] = field(default_factory=list)  # [site, round trained, tokens, weight] merged
+    # the ledger's held and returned windows after the commit (late merging), for a replay
+    pending: dict[str, Any] | None = None
+    # the arrival lags the grace window measured in this round: a restart measures on from them
+    lags: list[float] | None = None
 
     @property
     def eval_loss(self) -> float:
@@ -177,7 +184,13 @@ class RoundController:
         self.hashes: dict[int, str] = {} if state is not None else {0: state_hash(self.theta)}
         self.theta_norm = math.sqrt(sum_of_squares(self.theta))
         self.round_opened = time.monotonic()
-        self.first_contribution: float | None = None  # the round's deadline counts from here
+        self.grace = GraceWindow(cfg.grace, cfg.round_timeout_s)  # the deadline, from recent arrivals
+        self.arrivals: list[Arrival] = []  # the open round's, in order
+        self.firsts: dict[int, float] = {}  # recent rounds' first arrivals (deadlines, late lags)
+        self.late_keys: dict[str, list[Any]] = {}  # the open round's late merges: key -> record
+        self.late_data: list[list[Any]] = []  # and the windows they consumed
+        self.trained: dict[str, list[DataRange]] = {}  # the open round's part-trained reservations
+        self.merged_late: dict[tuple[str, int], int] = {}  # (site, round trained) -> merged into
         self.started = time.monotonic()
         self.unattributed_bytes = 0
         self._full_state: FullState | None = None
@@ -250,11 +263,18 @@ class RoundController:
         fields = {k: v for k, v in update.record.items() if k != "tokens_by_site"}
         record = RoundRecord(**fields)
         self.history.append(record)
-        self.ledger.replay(r, record.data)
+        self.ledger.replay(r, record.data, record.pending)
+        if record.lags is not None:
+            self.grace.rounds.append(record.lags)
         for name, tokens in update.record.get("tokens_by_site", {}).items():
             if name in self.sites:
                 site = self.sites[name]
                 site.last_round, site.accepted, site.tokens = r, site.accepted + 1, site.tokens + tokens
+        for name, trained, tokens, _ in record.late:
+            self.merged_late[(name, trained)] = r
+            if name in self.sites:
+                site = self.sites[name]
+                site.late_merged, site.tokens = site.late_merged + 1, site.tokens + tokens
         if isinstance(self.optimizer, NesterovOuter):
             self.optimizer.steps += 1  # the momentum itself resumes from the snapshot
         self.hashes[r + 1] = update.state_hash
@@ -395,18 +415,35 @@ class RoundController:
         return self.ledger.reservation(name) or []
 
     def check_data(self, name: str, data: list[DataRange]) -> None:
-        """A contribution must have trained on exactly the windows the ledger reserved for it."""
+        """A contribution must have trained on exactly the windows the ledger reserved for it
+        (in a round by time, the first whole steps' worth of them: kept in ``trained``)."""
         expected = self.ledger.reservation(name)
         if expected is None:
             try:
                 expected = self.ledger.reserve(name, self.windows_per_round(self.sites[name]))
             except LedgerExhausted as exc:
                 raise FailedPrecondition(f"site {name!r} has no data reserved this round: {exc}") from None
-        if data != expected:
+        if not self._trained_part(name, data, expected):
             raise FailedPrecondition(
                 f"site {name!r} trained on {_ranges(data)}, "
                 f"but the ledger reserved {_ranges(expected)}; rejoin"
             )
+        if data != expected:
+            self.trained[name] = data
+
+    def _trained_part(self, name: str, data: list[DataRange], reserved: list[DataRange]) -> bool:
+        """``data`` is all of ``reserved``, or with ``inner.round_seconds`` the windows of its
+        first n ≥ 1 steps (n × world_size × data.batch_size windows)."""
+        if data == reserved:
+            return True
+        per_step = self.windows_for(self.sites[name].world_size) // self.cfg.inner.steps_per_round
+        count = sum(d.windows for d in data)
+        return (
+            self.cfg.inner.round_seconds > 0
+            and count > 0
+            and count % per_step == 0
+            and split_windows(reserved, count)[0] == data
+        )
 
     def live_sites(self) -> set[str]:
         return {s.name for s in self.sites.values() if s.state == "joined"}
@@ -426,7 +463,20 @@ class RoundController:
         if round_ < self.round:
             if self._contributed(name, round_):
                 return True  # a repeat of a push the round took
-            raise LateContribution(f"round {round_} is closed; the current round is {self.round}")
+            if self._mergeable(name, round_):
+                return False  # to be merged into the open round
+            first, bound = self.firsts.get(round_), self.cfg.outer.max_staleness
+            beyond = (
+                ""
+                if not bound
+                else f"; it is more than outer.max_staleness ({bound}) rounds behind"
+                if self.round - round_ > bound
+                else "; no windows are held for it (an earlier push of it was merged late, or it was lost)"
+            )
+            raise LateContribution(
+                f"round {round_} is closed; the current round is {self.round}{beyond}",
+                None if first is None else time.monotonic() - first,
+            )
         if self.finished:
             raise FailedPrecondition(f"run {self.cfg.run_id!r} has finished; nothing to push")
         if round_ == self.round:
@@ -437,9 +487,21 @@ class RoundController:
         """Whether ``name``'s contribution is in closed round ``round_`` (its record, kept
         for every round and across restarts)."""
         record = self.history[round_] if 0 <= round_ < len(self.history) else None
+        if (name, round_) in self.merged_late:
+            return True
         if record is None or record.round != round_:
             return self.sites[name].last_round >= round_  # no record of that round: as before
         return name in record.contributors
+
+    def _mergeable(self, name: str, round_: int) -> bool:
+        """Whether a late push of ``name`` for closed ``round_`` is merged into the open round:
+        within ``outer.max_staleness`` rounds, and its windows still held for it."""
+        stale = self.round - round_
+        return (
+            not self.finished
+            and 0 < stale <= self.cfg.outer.max_staleness
+            and self.ledger.held_for(name, round_) is not None
+        )
 
     async def contribute(
         self,
@@ -470,10 +532,14 @@ class RoundController:
         async with self._commit_lock:
             if self.check_push(name, run_id, round_):
                 return False
+            if round_ < self.round:
+                await self._merge_late(name, round_, tokens, delta, data, digest)
+                return True
             self.check_data(name, self.data_for(name) if data is None else data)
             await asyncio.to_thread(self.mean.fold, name, delta, tokens)
-            if self.first_contribution is None:
-                self.first_contribution = time.monotonic()
+            now = time.monotonic()
+            first = self.firsts.setdefault(round_, now)
+            self.arrivals.append(Arrival(name, now - first))
             record = self.sites[name]
             record.last_round, record.accepted = round_, record.accepted + 1
             record.tokens += tokens
@@ -482,6 +548,48 @@ class RoundController:
             log.info("round %d: accepted %s (%d tokens)", round_, name, tokens)
         await self._maybe_close()
         return True
+
+    async def _merge_late(
+        self,
+        name: str,
+        round_: int,
+        tokens: int,
+        delta: Contribution,
+        data: list[DataRange] | None,
+        digest: tuple[bytes, ...] | None,
+    ) -> None:
+        """Fold a late push into the open round with weight ``tokens // (1 + staleness)``; the
+        windows it trained, held since its round closed, become consumed in this round."""
+        held = self.ledger.held_for(name, round_)
+        if data is not None and (held is None or not self._trained_part(name, data, held)):
+            raise FailedPrecondition(
+                f"site {name!r} trained round {round_} on {_ranges(data)}, "
+                f"but the ledger reserved {_ranges(held or [])}; rejoin"
+            )
+        stale = self.round - round_
+        weight = max(1, tokens // (1 + stale))
+        key = f"{name}@{round_}"
+        await asyncio.to_thread(self.mean.fold, key, delta, weight)
+        self.late_keys[key] = [name, round_, tokens, weight]
+        self.merged_late[(name, round_)] = self.round
+        for d in self.ledger.consume_held(self.round, name, round_, data):
+            self.late_data.append([name, d.shard, d.start, d.end, d.epoch])
+        first = self.firsts.get(round_)
+        if first is not None:
+            self.grace.late(time.monotonic() - first)
+        record = self.sites[name]
+        record.late_merged, record.tokens = record.late_merged + 1, record.tokens + tokens
+        if digest is not None:
+            self.push_digests[(name, round_)] = digest
+        log.info(
+            "round %d: merged %s's push of round %d (%d tokens, weight %d, %d rounds stale)",
+            self.round,
+            name,
+            round_,
+            tokens,
+            weight,
+            stale,
+        )
 
     def accepted_digest(self, name: str, round_: int) -> tuple[bytes, ...] | None:
         """The part digests of ``name``'s accepted push for ``round_``; None when not kept
@@ -508,6 +616,8 @@ class RoundController:
             return
         if isinstance(reason, LateContribution):
             record.late += 1
+            if reason.after_s is not None:  # the grace window was too short for it: measured
+                self.grace.late(reason.after_s)
             log.info("round %d: dropped a late contribution from %s", self.round, name)
         else:
             record.rejected += 1
@@ -518,20 +628,31 @@ class RoundController:
         """Quorum, and everyone waited for in or the deadline passed. The run's first round waits
         for every site in ``sites``, joined or not: at start-up the first site to join would
         otherwise commit rounds alone, at the default quorum, before the others have joined."""
-        contributed = set(self.mean.contributors)
+        contributed = set(self.mean.contributors) - set(self.late_keys)
         if self.finished or len(contributed) < self.cfg.quorum:
             return False
         waited_for = self.live_sites() if self.history else set(self.sites)
         return waited_for <= contributed or self.overdue(now)
 
     def overdue(self, now: float) -> bool:
-        """Past the round's deadline: ``round_timeout_s`` after its first contribution arrived.
+        """Past the round's deadline: the grace window (``round_timeout_s``, or measured with
+        ``grace.adaptive``) after its first contribution arrived.
 
         Counting from the first arrival (not the round's start) means slow starts, e.g. sites
         still importing at round 0, do not count against the stragglers."""
-        return (
-            self.first_contribution is not None and now - self.first_contribution >= self.cfg.round_timeout_s
-        )
+        first = self.first_contribution
+        return first is not None and now - first >= self.grace.window_s
+
+    @property
+    def first_contribution(self) -> float | None:
+        """When the open round's first contribution arrived (its deadline counts from there)."""
+        return self.firsts.get(self.round)
+
+    @property
+    def waiting_for(self) -> list[str]:
+        """The live sites the open round still waits for."""
+        waited = self.live_sites() if self.history else set(self.sites)
+        return sorted(waited - set(self.mean.contributors))  # late merges are keyed site@round
 
     async def _maybe_close(self) -> None:
         async with self._commit_lock:
@@ -542,8 +663,10 @@ class RoundController:
         """Close the round: compute (in a worker thread), make it durable, and only then publish it."""
         r, mean = self.round, self.mean
         started = time.monotonic()
-        contributors, tokens = sorted(mean.contributors), mean.weight
-        self._round_tokens = dict(mean.tokens)
+        contributors = sorted(c for c in mean.contributors if c not in self.late_keys)
+        late = [self.late_keys[k] for k in sorted(self.late_keys)]
+        tokens = sum(mean.tokens[c] for c in contributors) + sum(item[2] for item in late)  # trained
+        self._round_tokens = {c: mean.tokens[c] for c in contributors}
         kept = 1 if self.run_dir is not None else KEEP_UPDATES  # with a run directory: in the log
         # The older updates leave memory before the next is computed (a pull still sending one
         # holds its own reference), freed in a worker: a model-sized free is not the loop's work.
@@ -551,23 +674,35 @@ class RoundController:
         await asyncio.to_thread(dropped.clear)
         log_file = await self._on_disk(r, self._open_update_log, r)
         try:
-            await self._close_round(r, started, contributors, tokens, log_file)
+            await self._close_round(r, started, contributors, tokens, log_file, late)
         finally:
             if log_file is not None:
                 log_file.abort()  # a commit that did not finish leaves no file; none once committed
 
     async def _close_round(
-        self, r: int, started: float, contributors: list[str], tokens: int, log_file: UpdateLogWriter | None
+        self,
+        r: int,
+        started: float,
+        contributors: list[str],
+        tokens: int,
+        log_file: UpdateLogWriter | None,
+        late: list[list[Any]],
     ) -> None:
         update = await self._on_disk(r, self._advance, r, log_file)
         computed = time.monotonic()
         digest = update.state_hash
         self.updates[r] = update
         self.hashes[r + 1] = digest
-        consumed = [
-            [site, d.shard, d.start, d.end, d.epoch] for site in contributors for d in self.data_for(site)
+        consumed = self.late_data + [
+            [site, d.shard, d.start, d.end, d.epoch]
+            for site in contributors
+            for d in self.trained.get(site, self.data_for(site))
         ]
-        self.ledger.settle(r, set(contributors))
+        staleness = self.cfg.outer.max_staleness
+        # with late merging, a live site that missed the round may still push what it trained
+        self.ledger.settle(
+            r, set(contributors), hold=self.live_sites() if staleness else None, trained=self.trained
+        )
         record = RoundRecord(
             round=r,
             contributors=contributors,
@@ -576,15 +711,26 @@ class RoundController:
             duration_s=started - self.round_opened,
             update_bytes=update.payload_bytes,
             data=consumed,
+            late=late,
         )
         self.history.append(record)
         self.round += 1
+        self.late_keys, self.late_data, self.trained = {}, [], {}
+        self.ledger.expire_held(self.round - staleness)  # too stale to merge: the windows go back
+        by_time = self.cfg.inner.round_seconds > 0  # returns what a round by time did not train
+        record.pending = self.ledger.pending_state() if staleness or by_time else None
+        for key in [k for k, merged in self.merged_late.items() if merged < self.round - KEEP_DIGESTS]:
+            del self.merged_late[key]
         for key in [k for k in self.push_digests if k[1] < self.round - KEEP_DIGESTS]:
             del self.push_digests[key]
         if not self.finished:
             self._reserve_next_round()
         self.round_opened = time.monotonic()
-        self.first_contribution = None
+        self.grace.closed(self.arrivals, self.cfg.quorum)
+        record.lags = [round(lag, 4) for lag in self.grace.rounds[-1]]
+        self.arrivals = []
+        for old in [k for k in self.firsts if k < self.round - KEEP_DIGESTS]:
+            del self.firsts[old]
         self._full_state = None
         faults.at_commit(r)  # tests: a fault plan's kill or raise, advanced in memory, not yet durable
         await self._persist(log_file)
@@ -725,6 +871,8 @@ class RoundController:
             "update_bytes": record.update_bytes,
             "duration_s": round(record.duration_s, 3),
             "data": record.data,
+            "late": record.late,
+            "pending": record.pending,
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -757,6 +905,12 @@ class RoundController:
         self.downlink_feedback.load_state_dict({"residual": state["downlink_residual"]})
         self.hashes = {int(k): v for k, v in state["hashes"].items()}
         self.history = [RoundRecord(**h) for h in state["history"]]
+        for h in self.history[-self.cfg.grace.rounds :]:  # the grace window as it was, not the bound
+            if h.lags is not None:
+                self.grace.rounds.append(h.lags)
+        for h in self.history[-KEEP_DIGESTS:]:  # to tell a merged push's retry from a late push
+            for name, trained, _, _ in h.late:
+                self.merged_late[(name, trained)] = h.round
         self.ledger = DataLedger.from_state_dict(state["ledger"])
         now = time.monotonic()
         for name, saved in state["sites"].items():
@@ -905,6 +1059,7 @@ _SITE_FIELDS_SAVED = (
     "accepted",
     "rejected",
     "late",
+    "late_merged",
     "bytes_in",
     "bytes_out",
     "eval_loss",

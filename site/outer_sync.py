@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,7 +62,7 @@ from geodiloco.site.link import (
 )
 from geodiloco.site.pull_apply import ApplyAsPulled, TornSnapshot
 from geodiloco.site.shards import ShardMap, subview
-from geodiloco.workload.data import DataRange
+from geodiloco.workload.data import DataRange, split_windows
 
 log = logging.getLogger("geodiloco.site")
 
@@ -214,11 +215,14 @@ class FragmentSync:
         local = owner.tokens_in_round if blocking_whole else self.tokens
         self.tokens = 0
         replication = self.group.world // owner.data_parallel_size
-        return self.group.sum(local) // max(replication, 1)
+        tokens = self.group.sum(local) // max(replication, 1)
+        if self.group.rank == 0:  # what the site computed, pushed or not (benchmarks/hetero.py: goodput)
+            log.info("%s: pushing %d tokens", self.name(self.round), tokens)
+        return tokens
 
     def sync_now(self) -> None:
         """Push this fragment's pseudo-gradient and merge its committed update (blocking)."""
-        round_, data = self.round, self.owner.data if self.settles_data else None
+        round_, data = self.round, self.owner.trained_data() if self.settles_data else None
         tokens = self.take_tokens()
         chunks = self.encode_delta()
         pulled, caught_up = self.exchange(round_, chunks, tokens, data)
@@ -227,7 +231,7 @@ class FragmentSync:
 
     def send(self) -> None:
         """Hand this fragment's pseudo-gradient to the background sender; training goes on."""
-        round_, data = self.round, self.owner.data if self.settles_data else None
+        round_, data = self.round, self.owner.trained_data() if self.settles_data else None
         tokens = self.take_tokens()
         chunks = self.encode_delta()  # Δ is taken now; encoding and sending run in the background
         assert self.owner.sender is not None
@@ -546,6 +550,46 @@ def _digest(shards: ShardMap, group: SiteGroup, tensors: list[torch.Tensor] | No
     return total.hexdigest()
 
 
+@dataclass(slots=True)
+class RoundClock:
+    """Rounds by time (``inner.round_seconds``): when this rank's window of the round closed.
+
+    Synced blocking in one fragment, a round ends at the first step after the window (checked
+    every step). Streaming fragments need their push and merge steps fixed when the round
+    starts, so there the round's step count H is the window over the last round's measured step
+    time, which scales every fragment's offsets with it (at least P × (τ + 1) steps)."""
+
+    seconds: float
+    cap: Schedule  # steps_per_round: the most steps a round trains (the windows reserved)
+    started: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.restart()
+
+    @property
+    def by_time(self) -> bool:
+        return self.seconds > 0
+
+    @property
+    def ends_on_time(self) -> bool:
+        return self.cap.fragments == 1 and not self.cap.overlap
+
+    def restart(self) -> None:
+        self.started = time.monotonic()
+
+    def window_closed(self) -> bool:
+        return time.monotonic() - self.started >= self.seconds
+
+    def next_schedule(self, steps_done: int) -> Schedule:
+        """The schedule of the round starting now (rank 0's is broadcast); restarts the clock."""
+        elapsed, self.started = time.monotonic() - self.started, time.monotonic()
+        if self.ends_on_time or steps_done <= 0:
+            return self.cap
+        low = self.cap.fragments * (self.cap.overlap + 1)
+        steps = max(low, min(self.cap.steps, round(self.seconds * steps_done / max(elapsed, 1e-9))))
+        return dataclasses.replace(self.cap, steps=steps)
+
+
 class OuterSync:
     """Snapshots θ_r, computes Δ every H steps (per fragment, at its step), pushes it, and merges
     the outer update."""
@@ -563,12 +607,17 @@ class OuterSync:
                 f"{len(joined.fragments)} fragment(s): an older coordinator that cannot stream fragments"
             )
         self.schedule = Schedule(self.config.inner.steps_per_round, outer.fragments, outer.overlap_steps)
+        self.clock = RoundClock(self.config.inner.round_seconds, self.schedule)
         self.states = joined.fragments
         self.round = self.info.round
         self.data = self.info.data  # the ledger's windows for the current round
         self.finished = self.info.finished
         self.steps_in_round = 0
         self.tokens_in_round = 0
+        # the inner steps this site trained (lr_step in rounds by time): a site that joins a
+        # running run without a checkpoint counts the rounds before it at steps_per_round each
+        self.steps_trained = self.round * self.config.inner.steps_per_round
+        self.training = False  # until the first step: the first round's window starts there
         self.uplink = self.config.compression.uplink_pipeline
         self.model: nn.Module | None = None
         self.shards: ShardMap | None = None
@@ -655,6 +704,7 @@ class OuterSync:
                 self.data = pulled.data
         self.round, self.finished = self.fragments[-1].round, all(f.finished for f in self.fragments)
         self.steps_in_round = self.tokens_in_round = 0
+        self.clock.restart()
 
     def digest(self, tensors: list[torch.Tensor] | None = None) -> str:
         """The canonical state hash of the site's parameters (or of ``tensors`` laid out like them),
@@ -668,9 +718,18 @@ class OuterSync:
         this step; True when it closed a round (every H steps)."""
         if not self.fragments:
             raise RuntimeError("call attach(model) before training")
+        if not self.training:  # not at the join: building the model, the data and a dry step
+            self.training = True  # take seconds, which would close the first window at once
+            self.clock.restart()
         self.steps_in_round += 1
+        self.steps_trained += 1
         self.tokens_in_round += tokens
         at = self.steps_in_round
+        # a round by time, synced blocking, ends at the first step after its window on any
+        # rank's clock (an all-reduce of one flag per step), so every rank agrees
+        ends = self.clock.by_time and self.clock.ends_on_time and at < self.schedule.steps
+        if ends and self.group.sum(int(self.clock.window_closed())):
+            self.schedule = dataclasses.replace(self.schedule, steps=at)
         for f in self.fragments:
             f.tokens += tokens
             if f.in_flight is not None and at == self.schedule.merge_step(f.index):
@@ -700,10 +759,30 @@ class OuterSync:
             if f.in_flight is not None:
                 f.land()
 
+    @property
+    def lr_step(self) -> int:
+        """The global step the inner lr's warm-up and decay are at for the next step: round × H
+        plus the steps of this round, or in rounds by time the steps this site really trained
+        (a round's H varies and is not the same at every site)."""
+        if self.clock.by_time:
+            return self.steps_trained
+        return self.round * self.config.inner.steps_per_round + self.steps_in_round
+
+    def trained_data(self) -> list[DataRange]:
+        """The windows of this round's steps: all the ledger reserved, or in a round by time the
+        first ``steps × data-parallel ranks × batch size`` of them (the steps read them in order)."""
+        if not self.clock.by_time:
+            return self.data
+        windows = self.schedule.steps * self.data_parallel_size * self.config.data.batch_size
+        return split_windows(self.data, windows)[0]
+
     def _close_round(self) -> RoundResult:
         last = self.fragments[-1]
         self.round, self.finished = last.round, all(f.finished for f in self.fragments)
         tokens = self.tokens_in_round
+        if self.clock.by_time:  # the next round's steps: up to the window, or as measured (streaming)
+            schedule = self.clock.next_schedule(self.steps_in_round)
+            self.schedule = schedule if self.clock.ends_on_time else self.group.broadcast(schedule)
         self.steps_in_round = self.tokens_in_round = 0
         # one fragment: its hash is the whole snapshot's, computed when it merged
         digest = (

@@ -34,8 +34,8 @@ def test_json_roundtrip_is_lossless() -> None:
         ("model.d_model=30", "model.d_model (30) must be divisible by model.n_head"),
         (
             "outer.nesterov=true",
-            "outer.nesterov: unknown field; accepted: fragments, lr, mix_alpha, momentum, optimizer, "
-            "overlap_steps, warmup_rounds",
+            "outer.nesterov: unknown field; accepted: fragments, lr, max_staleness, mix_alpha, momentum, "
+            "optimizer, overlap_steps, warmup_rounds",
         ),
         ("outer.fragments=0", "outer.fragments: must be >= 1"),
         ("outer.fragments=26", "outer.fragments: must be <= inner.steps_per_round"),

@@ -171,6 +171,11 @@ def test_kill_is_a_sigkill_of_the_site_or_of_the_coordinator(tmp_path: Path) -> 
         ({"action": "kill", "site": "a", "round": 1, "at": "mid"}, "faults[0].at: unknown 'mid'"),
         ({"action": "kill", "round": 1, "at": "push"}, "faults[0].site: must name a site"),
         ({"action": "kill", "site": "a", "round": 1, "at": "pull", "chunk": -2}, "faults[0].chunk: must be"),
+        ({"action": "slow", "site": "a", "round": 1}, "faults[0].factor: a slow needs a factor in (1, 100"),
+        ({"action": "slow", "site": "a", "round": 1, "factor": 0.5}, "faults[0].factor: a slow needs"),
+        ({"action": "slow", "site": "a", "round": 1, "factor": "2"}, "faults[0].factor: a slow needs"),
+        ({"action": "slow", "site": "a", "round": 1, "at": "push", "factor": 2}, "faults[0].at: a slow"),
+        ({"action": "kill", "site": "a", "round": 1, "factor": 2}, "faults[0].factor: only a slow"),
     ],
 )
 def test_bad_placements_name_the_field(tmp_path: Path, fault: dict[str, Any], message: str) -> None:
@@ -269,3 +274,32 @@ def test_a_site_killed_mid_push_leaves_the_round_without_its_part(tmp_path: Path
         assert fired(plan)[0]["step"] == 2  # two of its chunks had gone
         assert not coordinator.controller.mean.contributors  # the part never completed
         assert coordinator.controller.round == 0
+
+
+def test_slow_stretches_every_rank_of_its_site_from_its_step_on(tmp_path: Path) -> None:
+    """A slow is a state of the site: each of its ranks waits out (factor - 1) x its own step
+    from the planned point on, the later slow wins, other sites compute as before; the named
+    rank records it once, where it first took effect, also across a restart."""
+    plan = write_plan(
+        tmp_path,
+        {
+            "faults": [
+                {"action": "slow", "site": "a", "rank": 1, "round": 2, "step": 3, "factor": 2},
+                {"action": "slow", "site": "a", "round": 4, "factor": 3.5},
+            ]
+        },
+    )
+    waits: dict[tuple[str, int], list[float]] = {}
+    for site, rank in [("a", 0), ("a", 1), ("b", 0)]:
+        injector = FaultInjector(plan, site, rank)
+        injector.sleep = waits.setdefault((site, rank), []).append
+        for position in [(0, 0), (2, 2), (2, 3), (3, 0), (4, 0), (5, 7)]:
+            injector.stretch(*position, elapsed_s=0.25)
+    assert waits[("a", 0)] == waits[("a", 1)] == [0.25, 0.25, 0.625, 0.625]
+    assert waits[("b", 0)] == []
+    records = fired(plan)
+    assert (records[0]["round"], records[0]["step"], records[1]["round"]) == (2, 3, 4)
+    again = FaultInjector(plan, "a", 1)  # a restarted site is still slow, and records nothing new
+    again.sleep = waits[("a", 1)].append
+    assert again.stretch(2, 5, elapsed_s=0.1) == pytest.approx(0.1)
+    assert fired(plan) == records

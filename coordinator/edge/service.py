@@ -316,11 +316,12 @@ def status_message(
     now = time.monotonic()
     run = fragments or FragmentedController.single(c)
 
-    def over_fragments(name: str) -> tuple[int, int, bool]:
+    def over_fragments(name: str) -> tuple[int, int, int, bool]:
         records = [f.sites[name] for f in run.fragments if name in f.sites]
         return (
             sum(r.rejected for r in records),
             sum(r.late for r in records),
+            sum(r.late_merged for r in records),
             all(r.hash_ok for r in records),
         )
 
@@ -354,11 +355,14 @@ def status_message(
         num_params=run.num_params,
         data_windows_consumed=c.ledger.progress()[0],
         data_windows_total=c.ledger.progress()[1],
+        grace_window_s=c.grace.window_s,
+        waited_for=[admin_pb2.Arrival(site=a.site, after_s=a.after_s) for a in c.grace.waited_for],
+        waiting_for=c.waiting_for if not c.finished else [],
     )
 
 
 def _site_status(
-    c: RoundController, s: SiteRecord, now: float, rejected: int, late: int, hash_ok: bool
+    c: RoundController, s: SiteRecord, now: float, rejected: int, late: int, late_merged: int, hash_ok: bool
 ) -> admin_pb2.SiteStatus:
     return admin_pb2.SiteStatus(
         site=s.name,
@@ -373,6 +377,7 @@ def _site_status(
         accepted=s.accepted,
         rejected=rejected,
         late=late,
+        late_merged=late_merged,
         hash_ok=hash_ok,
         last_report_round=s.last_report_round,
     )

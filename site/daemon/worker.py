@@ -243,7 +243,9 @@ def train(
         batch = on_device(data.batch(sync.data, sync.steps_in_round, dp_rank, dp), device)  # ledger's data
         tokens = data.tokens(batch)
         step_started = time.perf_counter()  # ops
-        losses.append(inner_step(trained, optimizer, cfg.inner, step, *batch, loss_fn=loss_fn))
+        losses.append(inner_step(trained, optimizer, cfg.inner, sync.lr_step, *batch, loss_fn=loss_fn))
+        # tests: a plan's slow makes this step last its factor times as long
+        faults.stretch(site, rank, sync.round, sync.steps_in_round, time.perf_counter() - step_started)
         telemetry.step(time.perf_counter() - step_started, tokens * dp, sync.round, step + 1)  # ops
         compute_s = time.perf_counter() - started
         sync_started = time.perf_counter()  # ops

@@ -53,6 +53,7 @@ class CheckpointMeta:
     ranks: int
     layout: str
     fragment_tokens: list[int] = field(default_factory=list)  # per fragment, trained since its push
+    steps_trained: int = -1  # the site's inner steps so far (the lr schedule's in rounds by time)
 
 
 def _like_params(model: nn.Module, locals_: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -121,6 +122,7 @@ def save(
         ranks=dist.get_world_size() if dist.is_initialized() else 1,
         layout=layout,
         fragment_tokens=[f.tokens for f in sync.fragments],
+        steps_trained=sync.steps_trained,
     )
     if rank == 0:
         tmp = path / (META + ".tmp")
@@ -163,6 +165,8 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sync: O
         f.feedback.residual.copy_(owned.gather_owned([residual[i] for i in f.members]))
     meta = read_meta(path)
     sync.steps_in_round, sync.tokens_in_round = meta.steps_in_round, meta.tokens_in_round
+    if meta.steps_trained >= 0:  # a checkpoint written before it was kept: counted from the round
+        sync.steps_trained = meta.steps_trained
     for f, tokens in zip(sync.fragments, meta.fragment_tokens, strict=False):
         f.tokens = tokens
     sync.data = [DataRange(*d) for d in meta.data]

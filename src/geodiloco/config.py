@@ -110,6 +110,10 @@ class InnerConfig:
     """
 
     steps_per_round: int = 25
+    # rounds by time: each site trains until this many seconds of its round passed (at least one
+    # step, at most steps_per_round, the windows the ledger reserves) and weighs what it trained;
+    # 0: every round is steps_per_round steps
+    round_seconds: float = 0.0
     lr: float | None = None  # reference optimizer: 6e-3
     weight_decay: float | None = None  # reference optimizer: 0.01
     warmup_steps: int = 0
@@ -119,6 +123,11 @@ class InnerConfig:
 
     def __post_init__(self) -> None:
         _require(self.steps_per_round > 0, "inner.steps_per_round", "must be > 0")
+        _require(
+            0 <= self.round_seconds < float("inf"),
+            "inner.round_seconds",
+            f"must be >= 0 (0: rounds of steps_per_round steps), got {self.round_seconds}",
+        )
         _require(self.lr is None or self.lr > 0, "inner.lr", f"must be > 0, got {self.lr}")
         _require(self.weight_decay is None or self.weight_decay >= 0, "inner.weight_decay", "must be >= 0")
         _require(self.warmup_steps >= 0, "inner.warmup_steps", "must be >= 0")
@@ -171,6 +180,9 @@ class OuterConfig:
     fragments: int = 1
     overlap_steps: int = 0
     mix_alpha: float = 0.5
+    # a push up to this many rounds late is merged into its fragment's open round with weight
+    # tokens // (1 + staleness), not dropped (0: late pushes are dropped)
+    max_staleness: int = 2
 
     def __post_init__(self) -> None:
         _require(
@@ -184,6 +196,33 @@ class OuterConfig:
         _require(self.fragments >= 1, "outer.fragments", f"must be >= 1, got {self.fragments}")
         _require(self.overlap_steps >= 0, "outer.overlap_steps", f"must be >= 0, got {self.overlap_steps}")
         _require(0 <= self.mix_alpha < 1, "outer.mix_alpha", f"must be in [0, 1), got {self.mix_alpha}")
+        _require(
+            0 <= self.max_staleness <= 4,
+            "outer.max_staleness",
+            f"must be in [0, 4] (pushes are kept 4 rounds), got {self.max_staleness}",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class GraceConfig:
+    """How long a round waits for its stragglers after its first contribution.
+
+    Off (``adaptive`` false), ``round_timeout_s``. On, the window follows the measured arrivals
+    of the last ``rounds`` rounds: their lags behind each round's first contribution (late ones
+    included), the ``quantile`` of those, times ``1 + margin``, plus ``floor_s``, never more
+    than ``round_timeout_s`` (:mod:`geodiloco.coordinator.grace`)."""
+
+    adaptive: bool = True
+    quantile: float = 0.9
+    margin: float = 0.5
+    floor_s: float = 0.5
+    rounds: int = 8
+
+    def __post_init__(self) -> None:
+        _require(0 < self.quantile <= 1, "grace.quantile", f"must be in (0, 1], got {self.quantile}")
+        _require(0 <= self.margin < float("inf"), "grace.margin", f"must be >= 0, got {self.margin}")
+        _require(0 <= self.floor_s < float("inf"), "grace.floor_s", f"must be >= 0, got {self.floor_s}")
+        _require(self.rounds >= 1, "grace.rounds", f"must be >= 1, got {self.rounds}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -311,6 +350,7 @@ class RunConfig:
     # rounded up (see `quorum`); set it to len(sites) to wait for every site
     min_sites: int = 0
     round_timeout_s: float = 600.0
+    grace: GraceConfig = field(default_factory=GraceConfig)
     heartbeat_interval_s: float = 2.0
     lease_s: float = 15.0
     # rounds between full snapshots of the coordinator's state; each round in between is logged

@@ -21,13 +21,19 @@ same kind). Actions:
 - ``raise``: the coordinator dies by an uncaught exception (``commit`` only), as a bug would;
 - ``partition``: cut the site's WAN link for ``seconds``;
 - ``delay``: add ``delay_ms`` of one-way latency to the site's link for ``seconds``;
-- ``drop``: reset every connection of the site's link.
+- ``drop``: reset every connection of the site's link;
+- ``slow``: from its point on, every rank of the site computes ``factor`` times slower (each
+  inner step is followed by a sleep of ``factor - 1`` times its own duration), as a site on
+  older accelerators or shared with other jobs would; it stays in effect across the site's
+  restarts (it is the site's hardware, not an event), and is recorded once when it first
+  takes effect.
 
 Link faults go to the site's ``geodiloco wan`` proxy through its control port (``links`` in the
 plan). Each fault fires once per plan, even across restarts of the site or the coordinator:
 before acting, the process claims it by creating ``<plan>.fired/<index>.json`` (which records
-where it fired). A supervisor that restarts the coordinator rewrites the plan with its new
-``coordinator_pid`` (read when a kill fires, never cached).
+where it fired; a ``slow``, the point where it first took effect). A supervisor that restarts
+the coordinator rewrites the plan with its new ``coordinator_pid`` (read when a kill fires,
+never cached).
 
 Example plan::
 
@@ -55,11 +61,12 @@ from typing import Any
 log = logging.getLogger("geodiloco.faults")
 
 FAULT_PLAN_ENV = "GEODILOCO_FAULT_PLAN"
-ACTIONS = ("kill", "raise", "partition", "delay", "drop")
+ACTIONS = ("kill", "raise", "partition", "delay", "drop", "slow")
 TARGETS = ("site", "coordinator")
 POINTS = ("step", "push", "pull", "commit")
 LINK_ACTIONS = ("partition", "delay", "drop")  # sent to the site's WAN proxy
 CONTROL_TIMEOUT_S = 10.0
+MAX_SLOWDOWN = 100.0
 
 
 class FaultPlanError(ValueError):
@@ -85,6 +92,7 @@ class Fault:
     target: str = "site"  # kill only: the site itself, or the coordinator
     seconds: float = 0.0  # partition and delay: how long
     delay_ms: float = 0.0  # delay: extra one-way latency
+    factor: float = 1.0  # slow: how many times slower every inner step of the site becomes
 
     def __post_init__(self) -> None:
         def require(ok: bool, name: str, message: str) -> None:
@@ -111,6 +119,15 @@ class Fault:
             require(self.seconds > 0, "seconds", f"a {self.action} needs a duration > 0, got {self.seconds}")
         if self.action == "delay":
             require(self.delay_ms > 0, "delay_ms", f"must be > 0, got {self.delay_ms}")
+        if self.action == "slow":
+            require(self.at == "step", "at", 'a slow takes effect at a "step"')
+            require(
+                isinstance(self.factor, (int, float)) and 1 < self.factor <= MAX_SLOWDOWN,
+                "factor",
+                f"a slow needs a factor in (1, {MAX_SLOWDOWN}], got {self.factor!r}",
+            )
+        else:
+            require(self.factor == 1.0, "factor", f"only a slow takes a factor, not a {self.action}")
 
     @property
     def position(self) -> tuple[int, int]:
@@ -199,8 +216,12 @@ class FaultInjector:
         self.plan = load_plan(plan_path)
         self.records = fired_dir(plan_path)
         self.records.mkdir(exist_ok=True)
-        self.site = site
-        self.pending = [(i, f) for i, f in enumerate(self.plan.faults) if self._fires(f, site, rank)]
+        self.site, self.rank = site, rank
+        faults = enumerate(self.plan.faults)
+        self.pending = [(i, f) for i, f in faults if f.action != "slow" and self._fires(f, site, rank)]
+        # a slow is a state of the whole site: every rank keeps to it, the named rank records it
+        self.slows = [(i, f) for i, f in enumerate(self.plan.faults) if f.action == "slow" and f.site == site]
+        self.sleep = time.sleep  # tests: what a slowed step waits with
 
     @staticmethod
     def _fires(fault: Fault, site: str | None, rank: int) -> bool:
@@ -219,6 +240,25 @@ class FaultInjector:
                     "fault plan: %s %s at round %d %s %d", fault.action, fault.target, round_, at, step
                 )
                 self._fire(fault)
+
+    def slowdown(self, round_: int, step: int) -> float:
+        """How many times slower this site computes at inner step ``step`` of ``round_``: the
+        factor of the latest-placed slow in effect there, else 1."""
+        effective = [(f.position, i, f) for i, f in self.slows if f.position <= (round_, step)]
+        if not effective:
+            return 1.0
+        _, index, fault = max(effective)
+        if fault.rank == self.rank and self._claim(index, fault, round_, step):
+            log.warning("fault plan: slow x%g from round %d step %d", fault.factor, round_, step)
+        return fault.factor
+
+    def stretch(self, round_: int, step: int, elapsed_s: float) -> float:
+        """After inner step ``step`` of ``round_`` took ``elapsed_s``: wait out the rest of a slow
+        step (``factor - 1`` times as long again); returns the seconds waited."""
+        extra = (self.slowdown(round_, step) - 1.0) * max(elapsed_s, 0.0)
+        if extra > 0:
+            self.sleep(extra)
+        return extra
 
     def _claim(self, index: int, fault: Fault, round_: int, step: int) -> bool:
         """Claim the fault for this run of the plan; False when it fired before (a restart)."""
@@ -270,6 +310,14 @@ def at(site: str, rank: int, round_: int, step: int, point: str = "step") -> Non
     path = os.environ.get(FAULT_PLAN_ENV)
     if path:
         _injector(path, site, rank).reached(round_, step, point)
+
+
+def stretch(site: str, rank: int, round_: int, step: int, elapsed_s: float) -> None:
+    """A site's hook after inner step ``step`` of ``round_`` took ``elapsed_s``: a plan's
+    ``slow`` in effect there makes the step last ``factor`` times as long; without a plan, nothing."""
+    path = os.environ.get(FAULT_PLAN_ENV)
+    if path:
+        _injector(path, site, rank).stretch(round_, step, elapsed_s)
 
 
 def at_commit(round_: int) -> None:

@@ -37,7 +37,8 @@ def commit_without(coordinator: CoordinatorThread, rounds: int) -> None:
 
 @pytest.mark.parametrize("missed", [CATCH_UP_ROUNDS, CATCH_UP_ROUNDS + 1])
 def test_site_behind_by_rounds_catches_up_bit_identically(missed: int) -> None:
-    cfg = tiny_config(rounds=10, min_sites=1, round_timeout_s=0.3, lease_s=30.0)
+    # missed rounds beyond outer.max_staleness: the push is refused, not merged
+    cfg = tiny_config(rounds=10, min_sites=1, round_timeout_s=0.3, lease_s=30.0, outer__max_staleness=1)
     with CoordinatorThread(cfg) as coordinator:
         c = coordinator.controller
         sync = connect(coordinator.target, "site-b")

@@ -282,7 +282,7 @@ def test_a_late_fragment_is_dropped_counted_and_caught_up_over_grpc() -> None:
     """site-b stalls before its push of fragment 0 in round 1 until fragment 0 closed round 1
     without it: the push is late (FAILED_PRECONDITION, counted by fragment 0 alone), and site-b
     rejoins and catches up through the kept update; every replica ends bit-identical."""
-    cfg = config(2, 1, rounds=4, min_sites=1, round_timeout_s=0.3)
+    cfg = config(2, 1, rounds=4, min_sites=1, round_timeout_s=0.3, outer__max_staleness=0)  # dropped
     with Server(cfg) as server:
         run = server.fragments
         c0 = run.fragments[0]

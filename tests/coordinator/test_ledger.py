@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import astuple
 
 import pytest
 
@@ -108,3 +109,43 @@ def test_a_wrap_never_hands_out_a_window_twice_in_one_round() -> None:
     ranges = ledger.reserve("a", 12)
     assert ranges[:2] == [DataRange(0, 3, 10, 0), DataRange(0, 0, 3, 1)]
     assert ranges[2] == DataRange(1, 1, 3, 0)
+
+
+def test_a_replay_of_the_round_records_puts_every_cursor_where_the_live_ledger_has_it() -> None:
+    """Rounds by time train a prefix of each reservation (the rest is returned, behind a cursor
+    that moved past it) and late merging holds windows: a restart that replays the rounds'
+    records (consumed ranges and pending windows) must leave each shard's cursor past the
+    returned windows too, or the next reservation hands them out twice (issue 41, mode c)."""
+    rng = random.Random(1)
+    live, records = DataLedger.create(SIZES, SITES), []
+    for round_ in range(40):
+        for site in SITES:
+            live.reserve(site, 4)
+        for site, trained in [(s, r) for (s, t), r in list(live.held.items()) if t == round_ - 1]:
+            if rng.random() < 0.5:
+                live.consume_held(round_, site, round_ - 1, trained[: rng.randint(1, len(trained))])
+        contributors = {s for s in SITES if rng.random() > 0.3}
+        trained = {s: _prefix(live.reservations[s], rng.randint(1, 4)) for s in contributors}
+        live.settle(round_, contributors, hold=set(SITES), trained=trained)
+        live.expire_held(round_)  # outer.max_staleness 1
+        consumed = [[c.site, *astuple(c.range)] for c in live.consumed if c.round == round_]
+        records.append((round_, consumed, live.pending_state()))
+    assert any(r[2]["returned"] for r in records) and any(r[2]["held"] for r in records)
+    replayed = DataLedger.create(SIZES, SITES)
+    for round_, consumed, pending in records:
+        replayed.replay(round_, consumed, pending)
+    cursor = [(s.consumed, s.epoch) for s in replayed.shards]
+    assert cursor == [(s.consumed, s.epoch) for s in live.shards]
+    assert (replayed.held, replayed.returned) == (live.held, live.returned)
+    for ledger in (live, replayed):  # both go on handing out every window once
+        for round_ in range(40, 60):
+            for site in SITES:
+                ledger.reserve(site, 4)
+            ledger.settle(round_, set(SITES))
+        assert check_exactly_once(ledger.consumed, SIZES, ledger.pending()) == []
+
+
+def _prefix(ranges: list[DataRange], windows: int) -> list[DataRange]:
+    from geodiloco.workload.data import split_windows
+
+    return split_windows(ranges, windows)[0]

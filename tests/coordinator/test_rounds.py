@@ -64,7 +64,7 @@ async def test_deadline_without_quorum_waits_and_says_so() -> None:
 
 
 async def test_late_contribution_is_dropped_and_counted() -> None:
-    c = controller(min_sites=1)
+    c = controller(min_sites=1, outer__max_staleness=0)  # late merging off
     await join_all(c)
     await c.contribute("site-a", "", 0, 100, torch.ones(N))
     await asyncio.sleep(0.25)
@@ -325,7 +325,7 @@ async def test_a_push_for_a_round_older_than_the_kept_digests_is_refused_not_ack
 async def test_a_push_for_a_closed_round_the_site_skipped_is_late_even_after_a_later_contribution() -> None:
     """protocol.md §3.1 rule 3: a repeat is a push to a round the site contributed to; a round
     that closed without it stays late, whatever the site did after."""
-    c = controller(min_sites=1, rounds=5)
+    c = controller(min_sites=1, rounds=5, outer__max_staleness=0)  # late merging off
     await join_all(c)
     await c.contribute("site-a", "", 0, 100, torch.ones(N))
     await asyncio.sleep(0.25)

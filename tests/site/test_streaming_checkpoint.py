@@ -51,11 +51,12 @@ def test_a_checkpoint_mid_round_lands_the_fragment_in_flight_and_restores_every_
         residuals = [f.feedback.residual.clone() for f in sync.fragments]
         snapshot = [t.clone() for t in sync.snapshot]
         tokens = [f.tokens for f in sync.fragments]
-        params = flatten_parameters(model)
+        params, steps_trained = flatten_parameters(model), sync.steps_trained
         assert any(r.abs().sum() > 0 for r in residuals)
         for f in sync.fragments:  # forget it all; the checkpoint must bring every fragment back
             f.feedback.residual.zero_()
             f.tokens = 0
+        sync.steps_trained = 0
         for t in sync.snapshot:
             t.zero_()
         with torch.no_grad():
@@ -66,6 +67,7 @@ def test_a_checkpoint_mid_round_lands_the_fragment_in_flight_and_restores_every_
             assert torch.equal(f.feedback.residual, r) and f.tokens == n
         assert all(torch.equal(a, b) for a, b in zip(sync.snapshot, snapshot, strict=True))
         assert torch.equal(flatten_parameters(model), params)
+        assert sync.steps_trained == steps_trained == cfg.inner.steps_per_round + 1  # the lr schedule's
         meta = checkpoint.read_meta(path)
         assert meta.state_hash == sync.digest(sync.snapshot)
         assert meta.residual_hash == checkpoint.residual_digest(sync)

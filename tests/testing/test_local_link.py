@@ -84,7 +84,9 @@ def test_late_fragment_is_dropped_counted_and_caught_up(
     has committed ``behind`` rounds without it: its push is late (dropped, counted), and it
     rejoins and catches up (kept updates, or the full state when too far behind)."""
     caplog.set_level("INFO", logger="geodiloco.site")
-    cfg = streaming_config(fragments, overlap, rounds=5, min_sites=1, round_timeout_s=0.2)
+    cfg = streaming_config(  # late merging off: dropped (a merge: tests/coordinator/test_late_merge.py)
+        fragments, overlap, rounds=5, min_sites=1, round_timeout_s=0.2, outer__max_staleness=0
+    )
     with coordinator_for(cfg) as coordinator:
         c0 = coordinator.fragment(0)
         push_at = cfg.inner.steps_per_round + (cfg.inner.steps_per_round // fragments - overlap) - 1

@@ -51,6 +51,7 @@ class SiteStatus(_message.Message):
     HASH_OK_FIELD_NUMBER: _builtins.int
     LAST_REPORT_ROUND_FIELD_NUMBER: _builtins.int
     LATE_FIELD_NUMBER: _builtins.int
+    LATE_MERGED_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     state: _builtins.str
     """joined, training, left, lost"""
@@ -75,6 +76,8 @@ class SiteStatus(_message.Message):
     """-1 before its first report"""
     late: _builtins.int
     """contributions that arrived after their round closed (dropped)"""
+    late_merged: _builtins.int
+    """late contributions merged into a later round (outer.max_staleness)"""
     def __init__(
         self,
         *,
@@ -92,10 +95,11 @@ class SiteStatus(_message.Message):
         hash_ok: _builtins.bool = ...,
         last_report_round: _builtins.int = ...,
         late: _builtins.int = ...,
+        late_merged: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "eval_loss", b"eval_loss", "hash_ok", b"hash_ok", "last_report_round", b"last_report_round", "last_round", b"last_round", "late", b"late", "lease_remaining_s", b"lease_remaining_s", "rejected", b"rejected", "site", b"site", "state", b"state", "tokens", b"tokens", "train_loss", b"train_loss"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "eval_loss", b"eval_loss", "hash_ok", b"hash_ok", "last_report_round", b"last_report_round", "last_round", b"last_round", "late", b"late", "late_merged", b"late_merged", "lease_remaining_s", b"lease_remaining_s", "rejected", b"rejected", "site", b"site", "state", b"state", "tokens", b"tokens", "train_loss", b"train_loss"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -169,6 +173,9 @@ class StatusResponse(_message.Message):
     NUM_PARAMS_FIELD_NUMBER: _builtins.int
     DATA_WINDOWS_CONSUMED_FIELD_NUMBER: _builtins.int
     DATA_WINDOWS_TOTAL_FIELD_NUMBER: _builtins.int
+    GRACE_WINDOW_S_FIELD_NUMBER: _builtins.int
+    WAITED_FOR_FIELD_NUMBER: _builtins.int
+    WAITING_FOR_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     round: _builtins.int
     rounds_total: _builtins.int
@@ -183,10 +190,20 @@ class StatusResponse(_message.Message):
     """data ledger: windows trained on in committed rounds"""
     data_windows_total: _builtins.int
     """(current pass over each shard)"""
+    grace_window_s: _builtins.float
+    """the open round waits this long after its first contribution"""
     @_builtins.property
     def sites(self) -> _containers.RepeatedCompositeFieldContainer[Global___SiteStatus]: ...
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoundRecord]: ...
+    @_builtins.property
+    def waited_for(self) -> _containers.RepeatedCompositeFieldContainer[Global___Arrival]:
+        """the last committed round's contributions after its quorum"""
+
+    @_builtins.property
+    def waiting_for(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """live sites the open round has no contribution from yet"""
+
     def __init__(
         self,
         *,
@@ -203,14 +220,41 @@ class StatusResponse(_message.Message):
         num_params: _builtins.int = ...,
         data_windows_consumed: _builtins.int = ...,
         data_windows_total: _builtins.int = ...,
+        grace_window_s: _builtins.float = ...,
+        waited_for: _abc.Iterable[Global___Arrival] | None = ...,
+        waiting_for: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_windows_consumed", b"data_windows_consumed", "data_windows_total", b"data_windows_total", "finished", b"finished", "history", b"history", "num_params", b"num_params", "phase", b"phase", "round", b"round", "rounds_total", b"rounds_total", "run_id", b"run_id", "sites", b"sites", "uptime_s", b"uptime_s", "wan_bytes_in", b"wan_bytes_in", "wan_bytes_out", b"wan_bytes_out"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_windows_consumed", b"data_windows_consumed", "data_windows_total", b"data_windows_total", "finished", b"finished", "grace_window_s", b"grace_window_s", "history", b"history", "num_params", b"num_params", "phase", b"phase", "round", b"round", "rounds_total", b"rounds_total", "run_id", b"run_id", "sites", b"sites", "uptime_s", b"uptime_s", "waited_for", b"waited_for", "waiting_for", b"waiting_for", "wan_bytes_in", b"wan_bytes_in", "wan_bytes_out", b"wan_bytes_out"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class Arrival(_message.Message):
+    """A contribution, and how long after its round's first one it came."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SITE_FIELD_NUMBER: _builtins.int
+    AFTER_S_FIELD_NUMBER: _builtins.int
+    site: _builtins.str
+    after_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        site: _builtins.str = ...,
+        after_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_s", b"after_s", "site", b"site"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Arrival: _TypeAlias = Arrival  # noqa: Y015
 
 @_typing.final
 class ShutdownRequest(_message.Message):

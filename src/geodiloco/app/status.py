@@ -81,6 +81,16 @@ def _loss(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.4f}"
 
 
+def grace_line(status: Any) -> str:
+    """The open round's grace window, whom it waits for, and whom the last round waited for."""
+    waited = ", ".join(f"{a.site} (+{a.after_s:.1f}s)" for a in status.waited_for) or "nobody"
+    waiting = f"; waiting for {', '.join(status.waiting_for)}" if status.waiting_for else ""
+    return (
+        f"grace window: {status.grace_window_s:.1f}s after a round's first contribution{waiting}; "
+        f"the last round waited for {waited} after its quorum"
+    )
+
+
 def format_status(status: Any, viewer: str | None = None) -> str:
     """A table for an admin (``viewer`` None); for another certificate, what it may see."""
     if viewer is not None:
@@ -96,9 +106,10 @@ def format_status(status: Any, viewer: str | None = None) -> str:
         f"WAN bytes: {human_bytes(status.wan_bytes_in)} in, {human_bytes(status.wan_bytes_out)} out"
         + (f"; last eval loss {_loss(last.eval_loss)} (round {last.round})" if last else ""),
         f"data ledger: {status.data_windows_consumed:,} of {status.data_windows_total:,} windows consumed",
+        grace_line(status),
         "",
         f"{'site':<14}{'state':<9}{'round':>6}{'lease':>8}{'eval':>9}{'train':>9}"
-        f"{'in':>11}{'out':>11}{'ok':>5}{'late':>5}{'rej':>5}{'hash':>6}",
+        f"{'in':>11}{'out':>11}{'ok':>5}{'late':>5}{'mrgd':>5}{'rej':>5}{'hash':>6}",
     ]
     for s in status.sites:
         lease = f"{s.lease_remaining_s:.1f}s" if s.state == "joined" else "-"
@@ -106,6 +117,6 @@ def format_status(status: Any, viewer: str | None = None) -> str:
         lines.append(
             f"{s.site:<14}{s.state:<9}{last_round:>6}{lease:>8}{_loss(s.eval_loss):>9}"
             f"{_loss(s.train_loss):>9}{human_bytes(s.bytes_in):>11}{human_bytes(s.bytes_out):>11}"
-            f"{s.accepted:>5}{s.late:>5}{s.rejected:>5}{'ok' if s.hash_ok else 'BAD':>6}"
+            f"{s.accepted:>5}{s.late:>5}{s.late_merged:>5}{s.rejected:>5}{'ok' if s.hash_ok else 'BAD':>6}"
         )
     return "\n".join(lines)

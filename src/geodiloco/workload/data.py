@@ -291,6 +291,21 @@ class DataRange:
         return self.end - self.start
 
 
+def split_windows(ranges: Sequence[DataRange], count: int) -> tuple[list[DataRange], list[DataRange]]:
+    """The first ``count`` windows of ``ranges`` (in order, as the steps of a round read them)
+    and the rest: a round by time trains a prefix of what the ledger reserved."""
+    head: list[DataRange] = []
+    tail: list[DataRange] = []
+    for r in ranges:
+        take = max(0, min(count, r.windows))
+        count -= take
+        if take:
+            head.append(DataRange(r.shard, r.start, r.start + take, r.epoch))
+        if take < r.windows:
+            tail.append(DataRange(r.shard, r.start + take, r.end, r.epoch))
+    return head, tail
+
+
 class DataShards:
     """The training bytes cut into ``count`` contiguous shards of fixed-length windows.
 

@@ -1,0 +1,163 @@
+"""Rounds by time (inner.round_seconds): on plain values (the clock, the trained prefix, the
+ledger giving back what was not trained), then one site of two real gloo ranks whose rounds
+end on the clock and whose ranks agree on every round's step count."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import astuple
+from pathlib import Path
+
+import pytest
+import torch
+
+from geodiloco.coordinator.ledger import DataLedger, check_exactly_once
+from geodiloco.coordinator.refusals import FailedPrecondition
+from geodiloco.coordinator.rounds import RoundController
+from geodiloco.site.fragment_schedule import Schedule
+from geodiloco.site.outer_sync import OuterSync, RoundClock
+from geodiloco.testing import local_runs
+from geodiloco.testing.configs import tiny_config
+from geodiloco.testing.rank_pool import RankPool, run_sites
+from geodiloco.testing.servers import CoordinatorThread
+from geodiloco.workload.data import DataRange, split_windows
+
+N = 64
+
+
+def test_split_windows_takes_the_first_steps_windows_in_order() -> None:
+    ranges = [DataRange(3, 10, 14), DataRange(5, 0, 8, 1)]
+    assert split_windows(ranges, 6) == (
+        [DataRange(3, 10, 14), DataRange(5, 0, 2, 1)],
+        [DataRange(5, 2, 8, 1)],
+    )
+    assert split_windows(ranges, 12) == (ranges, [])
+
+
+def test_the_clock_scales_a_streaming_round_with_the_measured_step_time() -> None:
+    clock = RoundClock(1.0, Schedule(40, 2, 1))
+    clock.started -= 0.5  # a round of 10 steps took 0.5 s: 20 steps fit in the window
+    schedule = clock.next_schedule(10)
+    assert schedule.steps == 20 and (schedule.push_step(0), schedule.merge_step(1)) == (9, 20)
+    clock.started -= 100.0  # very slow steps: at least P x (τ + 1) steps, and the offsets with them
+    assert clock.next_schedule(1).steps == 4
+    blocking = RoundClock(1.0, Schedule(40, 1, 0))
+    assert blocking.ends_on_time and blocking.next_schedule(10).steps == 40  # ends on the clock
+    assert not blocking.window_closed()
+
+
+def test_the_ledger_consumes_the_trained_part_and_gives_back_the_rest() -> None:
+    ledger = DataLedger.create([100] * 4, ["a", "b"])
+    a, b = ledger.reserve("a", 20), ledger.reserve("b", 20)
+    ledger.settle(0, {"a", "b"}, trained={"a": split_windows(a, 8)[0]})
+    assert [c.range for c in ledger.consumed if c.site == "a"] == split_windows(a, 8)[0]
+    assert (
+        ledger.returned == split_windows(a, 8)[1] and [c.range for c in ledger.consumed if c.site == "b"] == b
+    )
+    assert check_exactly_once(ledger.consumed, [100] * 4, ledger.pending()) == []
+    again = ledger.reserve("b", 20)  # the returned windows are handed out first
+    assert again[0] == split_windows(a, 8)[1][0]
+
+
+async def test_the_coordinator_takes_whole_steps_of_the_reservation_and_weighs_the_tokens() -> None:
+    cfg = tiny_config(min_sites=1, limits__max_delta_norm_ratio=0.0, inner__round_seconds=0.5)
+    c = RoundController(cfg, torch.zeros(N), [1000] * cfg.data.shards)
+    for name in cfg.sites:
+        await c.join(name, "")
+    per_step = cfg.data.batch_size  # one rank
+    a, b = c.data_for("site-a"), c.data_for("site-b")
+    with pytest.raises(FailedPrecondition, match="trained on"):  # not whole steps
+        await c.contribute("site-a", "", 0, 10, torch.ones(N), data=split_windows(a, per_step + 1)[0])
+    await c.contribute("site-a", "", 0, 10, torch.ones(N), data=split_windows(a, per_step)[0])
+    await c.contribute("site-b", "", 0, 30, torch.full((N,), 3.0), data=b)
+    record = c.history[0]
+    assert record.tokens == 40 and sorted(record.contributors) == ["site-a", "site-b"]
+    assert sum(d[3] - d[2] for d in record.data if d[0] == "site-a") == per_step
+    assert record.pending is not None and record.pending["returned"]  # a's untrained windows
+    assert check_exactly_once(c.ledger.consumed, [1000] * cfg.data.shards, c.ledger.pending()) == []
+
+
+async def test_a_restart_that_replays_a_round_by_time_hands_its_untrained_windows_out_once(
+    tmp_path: Path,
+) -> None:
+    """The chaos plan's coordinator restart in benchmarks/hetero.py (mode c): the windows a round
+    by time gave back are behind the cursor; a restart replaying that round from the log (the
+    snapshot predates it) hands them out once, not again from a cursor left before them."""
+    cfg = tiny_config(
+        min_sites=1, limits__max_delta_norm_ratio=0.0, inner__round_seconds=0.5, snapshot_every=100
+    )
+    shards = [1000] * cfg.data.shards
+    c = RoundController(cfg, torch.zeros(N), shards, tmp_path)
+    for name in cfg.sites:
+        await c.join(name, "")
+    a, b = c.data_for("site-a"), c.data_for("site-b")
+    trained, rest = split_windows(a, cfg.data.batch_size)  # one step of one rank
+    await c.contribute("site-a", "", 0, 10, torch.ones(N), data=trained)
+    await c.contribute("site-b", "", 0, 30, torch.ones(N), data=b)
+    assert c.round == 1 and c.snapshot_round is None
+    assert c.history[0].pending == {"held": [], "returned": [astuple(r) for r in rest]}
+    resumed = RoundController(cfg, torch.zeros(N), shards, tmp_path)  # round 0 replayed
+    assert [(s.consumed, s.epoch) for s in resumed.ledger.shards] == [
+        (s.consumed, s.epoch) for s in c.ledger.shards
+    ]
+    for name in cfg.sites:
+        await resumed.join(name, "")
+    for name in cfg.sites:
+        await resumed.contribute(name, "", 1, 10, torch.ones(N), data=resumed.data_for(name))
+    assert resumed.round == 2
+    assert check_exactly_once(resumed.ledger.consumed, shards, resumed.ledger.pending()) == []
+
+
+@pytest.mark.integration
+def test_a_two_rank_site_ends_its_rounds_on_the_clock_with_its_ranks_agreed(
+    rank_pool: RankPool, tmp_path: Path
+) -> None:
+    """A site of two real gloo ranks trains until the round's window closes (far fewer steps
+    than the cap of steps_per_round): a rank that stopped a step earlier or later than the other
+    would push other windows and tokens than its peer, which the coordinator refuses (or the
+    ranks' collectives would hang); every round takes the site's push, in whole steps of both
+    ranks."""
+    cfg = tiny_config(
+        rounds=2,
+        sites=["site-a"],
+        min_sites=1,
+        inner__steps_per_round=400,
+        inner__round_seconds=0.3,
+        data__batch_size=2,
+        limits__max_delta_norm_ratio=0.0,  # hundreds of steps of a tiny model move it far
+    )
+    with CoordinatorThread(cfg) as coordinator:
+        run_sites(rank_pool, coordinator.target, {"site-a": (2, [])}, tmp_path)
+        c = coordinator.controller
+        assert c.finished and [h.round for h in c.history] == [0, 1]
+        for h in c.history:
+            assert h.contributors == ["site-a"] and h.hashes_agree
+            windows = sum(d[3] - d[2] for d in h.data)
+            steps, rest = divmod(windows, 2 * cfg.data.batch_size)
+            assert rest == 0 and 1 <= steps < cfg.inner.steps_per_round  # on the clock, whole steps
+            assert h.tokens == windows * cfg.model.seq_len  # both ranks' tokens, summed once
+        assert c.sites["site-a"].rejected == 0 and c.sites["site-a"].late == 0
+        consumed = list(c.ledger.consumed)
+        assert check_exactly_once(consumed, [s.size for s in c.ledger.shards], c.ledger.pending()) == []
+
+
+def test_the_lr_schedule_counts_the_steps_a_site_really_trained() -> None:
+    """In rounds by time a slow site trains fewer steps per round than a fast one, and both far
+    fewer than the cap: the inner lr's warm-up and decay count the steps each really trained, not
+    round × steps_per_round."""
+    cfg = tiny_config(rounds=3, min_sites=2, inner__steps_per_round=200, inner__round_seconds=0.1)
+    seen: dict[str, list[int]] = {"site-a": [], "site-b": []}
+
+    def hook(name: str) -> Callable[[OuterSync, int], None]:
+        def at(sync: OuterSync, step: int) -> None:
+            seen[name].append(sync.lr_step)
+            time.sleep(0.01 if name == "site-b" else 0.002)  # at most 50 steps a round: below the cap
+
+        return at
+
+    with local_runs.coordinator_for(cfg) as coordinator:
+        local_runs.run_sites(coordinator, {name: hook(name) for name in cfg.sites})
+    for steps in seen.values():  # before each step, the steps trained before it
+        assert steps == list(range(len(steps))) and len(steps) < cfg.rounds * cfg.inner.steps_per_round
+    assert len(seen["site-b"]) < len(seen["site-a"])
