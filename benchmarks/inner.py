@@ -154,6 +154,8 @@ def worker(role: str, options: dict[str, Any], conn: Connection) -> None:
     torch.set_num_threads(options["threads"])
     device = torch.device(options["device"])
     if device.type == "cuda":
+        if device.index is None:  # "cuda": the current device, named by its index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
