@@ -154,6 +154,8 @@ def worker(role: str, options: dict[str, Any], conn: Connection) -> None:
     torch.set_num_threads(options["threads"])
     device = torch.device(options["device"])
     if device.type == "cuda":
+        if device.index is None:  # "cuda": the current device, named by its index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -303,6 +305,9 @@ def measure(args: argparse.Namespace, ac: str, compiled: bool, workdir: Path) ->
     cpu = {role: sum(r["cpu_s"] for r in part) for role, part in (("plain", plain), ("geodiloco", geo))}
     detail = {
         "peak_memory_bytes_plain": peaks["plain"],
+        # this process's CPU time: on a shared machine, steadier than wall time (not the outer
+        # sync's waits, nor the coordinator's work)
+        "tokens_per_cpu_s_plain": sum(r["tokens"] for r in plain) / cpu["plain"],
         "cpu_ratio": (sum(r["tokens"] for r in geo) / cpu["geodiloco"])
         / (sum(r["tokens"] for r in plain) / cpu["plain"]),
         "segments": segments,
@@ -328,7 +333,7 @@ def print_table(rows: list[dict[str, Any]], details: list[dict[str, Any]], args:
     )
     head = (
         "| activation checkpointing | compile | plain tokens/s | geodiloco tokens/s | ratio "
-        "| outer sync share | peak memory MB (geodiloco / plain) |"
+        "| outer sync share | peak memory MB (geodiloco / plain) | plain tokens per CPU-s |"
     )
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
@@ -337,7 +342,7 @@ def print_table(rows: list[dict[str, Any]], details: list[dict[str, Any]], args:
             f"| {row['activation_checkpointing']} | {'on' if row['compile'] else 'off'} "
             f"| {row['tokens_per_s_plain']:,.0f} | {row['tokens_per_s_geodiloco']:,.0f} | {row['ratio']:.4f} "
             f"| {row['outer_sync_share']:.2%} | {row['peak_memory_bytes'] / 1e6:,.0f} / "
-            f"{detail['peak_memory_bytes_plain'] / 1e6:,.0f} |"
+            f"{detail['peak_memory_bytes_plain'] / 1e6:,.0f} | {detail['tokens_per_cpu_s_plain']:,.0f} |"
         )
 
 

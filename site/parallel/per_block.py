@@ -12,11 +12,12 @@ names of the plain layout.
 - ``selective``: op-level selective checkpointing
   (``torch.utils.checkpoint.create_selective_checkpoint_contexts``): the outputs of matmuls,
   attention and collectives are kept, the rest (norms, activations, residual adds, casts) is
-  recomputed. Recomputing those costs little time (they are memory-bound, a few percent of a
-  step's work) and frees what a block holds besides its matmul outputs: with a 4x MLP, the
-  activation's output and the norms' outputs. Checkpointing every other block instead would halve
-  the memory at half of ``block``'s recompute; the op-level choice keeps every matmul, so it
-  costs less time where the matmuls dominate, which they do at any size worth checkpointing.
+  recomputed, which frees what a block holds besides its matmul outputs (with a 4x MLP, the
+  activation's output and the norms' outputs). No matmul runs twice: on a GPU, where the
+  recomputed ops are memory-bound and the matmuls dominate, that is the cheap trade (and why it
+  was chosen over checkpointing every other block, which recomputes half the matmuls). On a CPU
+  those ops are not cheap next to small matmuls: measured, it cost 17-20% of the tokens per
+  CPU-second for less memory than ``block`` saves (docs/measurements.md).
 
 Both recompute the same ops on the same inputs, so a step's arithmetic is that of the plain
 layout (bit-identical parameters, tested). ``compile`` changes kernels (fused, reordered), so its
