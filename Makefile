@@ -7,17 +7,27 @@ TS     := clients/typescript
 
 .PHONY: setup demo test test-fast lint protos check-protos clean
 
-setup: $(VENV)/.installed $(TS)/node_modules/.installed
+setup: $(VENV)/.modules $(TS)/node_modules/.installed
 
 # torch is pinned first: a bare `torch` requirement would pull a multi-GB CUDA build.
-# The editable install is strict (a link tree under build/) so that mypy can follow it;
-# run `make setup` again after adding a module.
+# The editable install is strict (a link tree under build/) so that mypy can follow it.
 $(VENV)/.installed: pyproject.toml compression/_kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install $(TORCH_PIN)
 	$(BIN)/pip install -e ".[dev]" --config-settings editable_mode=strict
 	touch $@
+
+# The strict link tree lists modules one by one: install it again when a module is added or
+# removed (the list differs from the one last installed), not when one is only edited.
+MODULES := $(sort $(shell find src coordinator site compression security protos -name '*.py' 2>/dev/null))
+$(VENV)/.modules: $(VENV)/.installed FORCE
+	@echo "$(MODULES)" | cmp -s - $@ || { \
+		$(BIN)/pip install -q -e ".[dev]" --no-deps --config-settings editable_mode=strict && \
+		echo "$(MODULES)" > $@; }
+
+.PHONY: FORCE
+FORCE:
 
 # The TypeScript site (docs/protocol.md): exactly the committed package-lock.json.
 $(TS)/node_modules/.installed: $(TS)/package-lock.json
