@@ -191,6 +191,8 @@ def at_budget(row: dict[str, Any], budget: int) -> None:
     row["wall_s"] = at_tokens([(t, at) for t, at in tokens], budget)
     row["final_eval_loss"] = at_tokens([(t, loss) for t, _, loss in curve], budget) if curve else math.nan
     row["_details"]["reached_budget"] = tokens[-1][0] >= budget
+    if tokens[0][0] >= budget:  # wall_s is 0: the first commit, where it counts from, had them all
+        print(f"mode {row['mode']}: its first round reached the budget {budget}: wall_s 0", file=sys.stderr)
     if tokens[-1][0] < budget:
         print(f"mode {row['mode']}: {tokens[-1][0]} tokens, short of the budget {budget}", file=sys.stderr)
 

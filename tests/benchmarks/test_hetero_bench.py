@@ -32,7 +32,9 @@ def test_hetero_smoke(run_benchmark: Callable[..., Any]) -> None:
         assert details["rounds_lost"] == 0
         assert 0 < row["goodput"] <= 1 and 0 <= row["fast_idle_share"] < 1
         assert row["hashes_agree"] and row["ledger_audit_clean"]
-        assert row["wall_s"] > 0 and row["final_eval_loss"] > 0 and row["eval_loss_at_equal_wall"] > 0
+        # wall_s counts from the first commit: 0 where a mode's first round already reached the
+        # budget, which a smoke run's few rounds allow when the window came out long on a loaded CI
+        assert row["wall_s"] >= 0 and row["final_eval_loss"] > 0 and row["eval_loss_at_equal_wall"] > 0
         assert row["late_merged"] >= 0 and row["late_dropped"] >= 0
     assert r["rows"][0]["late_merged"] == 0  # step rounds drop late pushes
     assert r["details"]["a"]["tokens_committed"] == r["token_budget"]
