@@ -16,7 +16,7 @@ from geodiloco.compression.cyclic import Cyclic
 from geodiloco.compression.levels import LevelQuantizer, gaussian_two_bit_levels
 from geodiloco.compression.pipeline import host_copy, kept_on_device
 from geodiloco.compression.quantize import BlockwiseAbsmax
-from helpers import CUDA
+from helpers import CUDA, same_bits
 
 DEVICE_SPECS = [
     "q8",
@@ -58,10 +58,6 @@ def _values(n: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype == torch.float32 and torch.equal(a.view(torch.int32), b.view(torch.int32))
-
-
 @pytest.mark.parametrize("spec", DEVICE_SPECS)
 @pytest.mark.parametrize("numel", SIZES)
 def test_device_path_gives_the_host_paths_bytes_and_values(spec: str, numel: int) -> None:
@@ -72,8 +68,8 @@ def test_device_path_gives_the_host_paths_bytes_and_values(spec: str, numel: int
         data, back = codec.roundtrip(x, place)  # CPU tensor: the host path (C kernels for q8)
         dev_data, dev_back = codec.roundtrip(x, place, on_device=True)
         assert dev_data == data == codec.encode(x, place, on_device=True)
-        assert _same_bits(dev_back, back)  # +0.0 where the receiver has +0.0: hashes agree
-        assert _same_bits(codec.decode(dev_data, numel, place), dev_back)
+        assert same_bits(dev_back, back)  # +0.0 where the receiver has +0.0: hashes agree
+        assert same_bits(codec.decode(dev_data, numel, place), dev_back)
 
 
 @settings(max_examples=60, deadline=None)
@@ -84,7 +80,7 @@ def test_device_path_matches_the_host_path_on_awkward_tensors(
     codec, place = parse_pipeline(spec), Place.span(round_, 3 * round_, x.numel())
     data, back = codec.roundtrip(x, place)
     dev_data, dev_back = codec.roundtrip(x, place, on_device=True)
-    assert dev_data == data and _same_bits(dev_back, back)
+    assert dev_data == data and same_bits(dev_back, back)
 
 
 @pytest.mark.parametrize("spec", ["q8|zstd:1", "q4:64", "cyclic:0.4|q2|zstd:1", "topk:0.1|q8"])
@@ -93,7 +89,7 @@ def test_bf16_values_are_widened_on_the_device_like_on_the_host(spec: str) -> No
     place = Place.span(2, 0, x.numel())
     data, back = codec.roundtrip(x, place)
     dev_data, dev_back = codec.roundtrip(x, place, on_device=True)
-    assert dev_data == data and _same_bits(dev_back, back)
+    assert dev_data == data and same_bits(dev_back, back)
 
 
 @pytest.mark.parametrize("spec", HOST_SPECS)
@@ -103,7 +99,7 @@ def test_codecs_without_a_device_path_still_code_on_the_host(spec: str) -> None:
     x, place = _values(1000, 2), Place.span(1, 0, 1000)
     data, back = codec.roundtrip(x, place, on_device=True)
     assert data == codec.encode(x, place)
-    assert _same_bits(back, codec.decode(data, x.numel(), place))
+    assert same_bits(back, codec.decode(data, x.numel(), place))
 
 
 @pytest.mark.parametrize("spec", ["q8", "q2|zstd:1", "topk:0.1|q4", "fp4"])
@@ -135,7 +131,7 @@ def test_device_stage_makes_tensors_only_where_its_input_lives(spec: str) -> Non
     with torch.device("meta"):
         raw, back, kept = codec.device_stage(x)
     assert {t.device.type for t in (raw, back)} == {"cpu"}
-    assert torch.equal(raw, expected[0]) and _same_bits(back, expected[1])
+    assert torch.equal(raw, expected[0]) and same_bits(back, expected[1])
     assert kept is None or torch.equal(kept, expected[2])
 
 
@@ -169,4 +165,4 @@ def test_on_a_gpu_the_frames_and_decoded_values_match_the_cpu(device: str, spec:
         data, back = codec.roundtrip(x, place)
         gpu_data, gpu_back = codec.roundtrip(x.to(device), place)
         assert gpu_back.device.type == device
-        assert gpu_data == data and _same_bits(gpu_back.cpu(), back)
+        assert gpu_data == data and same_bits(gpu_back.cpu(), back)

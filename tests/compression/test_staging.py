@@ -9,7 +9,7 @@ import torch
 
 from geodiloco.compression import CodecError, envelope, parse_pipeline
 from geodiloco.compression.staging import Staging, thread_staging
-from helpers import CUDA
+from helpers import CUDA, same_bits
 
 SPECS = [
     "q8",
@@ -33,10 +33,6 @@ def _values(n: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype == torch.float32 and torch.equal(a.view(torch.int32), b.view(torch.int32))
-
-
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("numel", SIZES)
 def test_decoded_where_the_raw_bytes_are_the_values_are_the_host_decoders(spec: str, numel: int) -> None:
@@ -45,7 +41,7 @@ def test_decoded_where_the_raw_bytes_are_the_values_are_the_host_decoders(spec: 
     x = _values(numel, numel)
     raw = codec.unpack(codec.encode(x), numel)
     codec.check_raw(raw, numel)
-    assert _same_bits(codec.decode_on_device(raw.clone(), numel), codec.decode_raw(raw, numel))
+    assert same_bits(codec.decode_on_device(raw.clone(), numel), codec.decode_raw(raw, numel))
 
 
 @pytest.mark.parametrize("spec", ["q8|zstd:1", "q4:64", "q2:33", "fp32"])
@@ -57,7 +53,7 @@ def test_the_device_decoder_makes_tensors_only_where_its_input_lives(spec: str) 
     expected = codec.decode_raw(raw, 1000)
     with torch.device("meta"):
         values = codec.decode_on_device(raw.clone(), 1000)
-    assert values.device.type == "cpu" and _same_bits(values, expected)
+    assert values.device.type == "cpu" and same_bits(values, expected)
 
 
 def test_the_host_check_refuses_what_the_host_decoder_refuses() -> None:
@@ -132,4 +128,4 @@ def test_on_a_gpu_decoded_values_are_the_host_decoders(spec: str, device: str) -
     with staging.side():
         values = codec.decode_on_device(on_device, 4099)
     staging.fence()
-    assert values.device.type == "cuda" and _same_bits(values.cpu(), codec.decode_raw(raw, 4099))
+    assert values.device.type == "cuda" and same_bits(values.cpu(), codec.decode_raw(raw, 4099))
