@@ -202,10 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="bf16: FSDP2 bf16 parameters with fp32 reduction, or bf16 autocast (ddp, tp); "
         "fp8: torchao float8 linears on GPUs of compute capability 8.9+ (geodiloco[fp8])",
     )
+    from geodiloco.site.parallel.layout_spec import ACTIVATION_CHECKPOINTING  # torch-free
+
     run.add_argument(
         "--activation-checkpointing",
         default="none",
-        choices=("none", "block", "selective"),
+        choices=ACTIVATION_CHECKPOINTING,
         help="parallel.activation_checkpointing: recompute each transformer block in the backward "
         "(block), or all but its matmul and attention outputs (selective); default none",
     )
