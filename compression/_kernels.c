@@ -342,6 +342,349 @@ static int apply_q8_span(float *theta, const float *step, const int8_t *codes, P
     return 1;
 }
 
+/* ---- Below one bit: per-block top-k, Elias-Fano index sets and the sign code ----------------
+ *
+ * Top-k keeps, in each block of `block` elements (the last may be shorter), the k largest
+ * magnitudes, and of the elements equal to the k-th largest those at the lowest positions: the
+ * rule of the torch path in sparsify.py, which tests hold these kernels to bit for bit. A
+ * magnitude is compared as the integer of its bit pattern with the sign cleared, which orders
+ * like the float (denormals and ±0 included) and vectorises without -ffast-math. There is no
+ * sort: counting passes over the block (which vectorise, the block sitting in L1) bracket the
+ * threshold until at most 2k + TOPK_SPARE elements lie at or above its lower end, those are
+ * gathered in order, a radix select on their patterns finds the exact k-th largest, and one walk
+ * over the gathered ones emits the kept positions in order. A block starts its search just below
+ * the previous block's threshold, which in a pseudo-gradient is usually one count away. */
+
+#if defined(__GNUC__)
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#else
+#define ALWAYS_INLINE static inline
+#endif
+
+#define TOPK_SPARE 32
+#define TOPK_MAX_BLOCK 0x7fffffffLL /* positions within a block are int32 */
+
+ALWAYS_INLINE int32_t magnitude(float v)
+{
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return (int32_t)(bits & ABS_MASK);
+}
+
+ALWAYS_INLINE Py_ssize_t count_at_least(const float *x, Py_ssize_t n, int32_t t)
+{
+    int32_t count = 0; /* n < 2^31 */
+    for (Py_ssize_t i = 0; i < n; i++)
+        count += magnitude(x[i]) >= t;
+    return count;
+}
+
+/* The largest pattern `lo` found for which at least k of the n magnitudes are >= lo (their count
+ * in *at_least), searched from `guess`: steps that double while every count lands on one side,
+ * then bisection. Stops once the count is at most 2k + TOPK_SPARE, or when lo is the threshold
+ * itself (hi = lo + 1). All magnitudes are below top + 1. */
+ALWAYS_INLINE int32_t bracket(const float *x, Py_ssize_t n, Py_ssize_t k, int32_t top, int64_t guess,
+                              Py_ssize_t *at_least)
+{
+    int64_t lo = 0, hi = (int64_t)top + 1, g = guess, step = 1 << 21;
+    int lo_seen = 0, hi_seen = 0;
+    Py_ssize_t count = n;
+    while (hi - lo > 1) {
+        if (g <= lo || g >= hi)
+            g = lo + (hi - lo) / 2;
+        Py_ssize_t c = count_at_least(x, n, (int32_t)g);
+        if (c >= k) {
+            lo = g, count = c, lo_seen = 1;
+            if (c <= 2 * k + TOPK_SPARE)
+                break;
+        } else {
+            hi = g, hi_seen = 1;
+        }
+        if (lo_seen && hi_seen)
+            g = lo + (hi - lo) / 2;
+        else
+            g = hi_seen ? g - step : g + step;
+        step = step < (1 << 29) ? step * 2 : step;
+    }
+    *at_least = count;
+    return (int32_t)lo;
+}
+
+/* Positions (and magnitudes) of the elements whose magnitude is >= lo, in order. pos and mag
+ * hold n + 1 entries: every element is written, and kept by advancing the count. */
+ALWAYS_INLINE Py_ssize_t gather(const float *x, Py_ssize_t n, int32_t lo, int32_t *pos, int32_t *mag)
+{
+    Py_ssize_t c = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t m = magnitude(x[i]);
+        pos[c] = (int32_t)i;
+        mag[c] = m;
+        c += m >= lo;
+    }
+    return c;
+}
+
+/* The k-th largest of m[0..c) (1 <= k <= c, every one in [lo, top]) and in *above how many are
+ * larger; m is reordered. Radix select by bytes, from the highest byte in which lo and top
+ * differ (the ones above it are common to all). */
+static int32_t kth_largest(int32_t *m, Py_ssize_t c, Py_ssize_t k, int32_t lo, int32_t top, Py_ssize_t *above)
+{
+    uint32_t diff = (uint32_t)(lo ^ top);
+    *above = 0;
+    if (!diff)
+        return lo;
+    for (int shift = (31 - __builtin_clz(diff)) & ~7; shift >= 0; shift -= 8) {
+        Py_ssize_t hist[256] = {0};
+        int high = 0;
+        for (Py_ssize_t j = 0; j < c; j++) {
+            int d = (m[j] >> shift) & 255;
+            hist[d]++;
+            high = d > high ? d : high;
+        }
+        int d = high;
+        Py_ssize_t larger = 0;
+        while (larger + hist[d] < k)
+            larger += hist[d--];
+        *above += larger;
+        k -= larger;
+        Py_ssize_t w = 0;
+        for (Py_ssize_t j = 0; j < c; j++) {
+            int32_t v = m[j];
+            m[w] = v;
+            w += ((v >> shift) & 255) == d;
+        }
+        c = w;
+    }
+    return m[0];
+}
+
+/* Walk the gathered positions in order and emit those kept: magnitude above t, or equal to it
+ * while `ties` remain. Returns how many were emitted (k). */
+ALWAYS_INLINE Py_ssize_t emit(const float *x, const int32_t *pos, Py_ssize_t c, int32_t t, Py_ssize_t ties,
+                              int64_t base, int64_t *idx, float *val)
+{
+    Py_ssize_t o = 0;
+    int64_t idx_sink;
+    float val_sink;
+    for (Py_ssize_t j = 0; j < c; j++) {
+        float v = x[pos[j]];
+        int32_t m = magnitude(v);
+        int tie = m == t, keep = (m > t) | (tie & (ties > 0));
+        ties -= tie & keep;
+        *(keep ? idx + o : &idx_sink) = base + pos[j]; /* no branch, and no write past the quota */
+        *(keep ? val + o : &val_sink) = v;
+        o += keep;
+    }
+    return o;
+}
+
+/* The kept elements of x (numel of them, blocks of `block`, k kept of each or all of a shorter
+ * one): global positions into idx, values into val, in order. pos and mag are scratch of
+ * block + 1 entries. 1, or 0 when x holds a NaN or an Inf (outputs undefined). */
+WIDEST_SIMD
+static int topk_blocks(const float *x, Py_ssize_t numel, Py_ssize_t block, Py_ssize_t k, int32_t *pos,
+                       int32_t *mag, int64_t *idx, float *val)
+{
+    int64_t guess = -1;
+    Py_ssize_t out = 0;
+    for (Py_ssize_t start = 0; start < numel; start += block) {
+        Py_ssize_t n = numel - start < block ? numel - start : block;
+        const float *b = x + start;
+        uint32_t top = block_absmax_bits(b, n);
+        if (top >= INF_BITS)
+            return 0;
+        if (k >= n) {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                idx[out + i] = start + i;
+                val[out + i] = b[i];
+            }
+            out += n;
+            continue;
+        }
+        Py_ssize_t c, above;
+        int32_t lo = bracket(b, n, k, (int32_t)top, guess >= 0 ? guess : (int64_t)top - (1 << 23), &c);
+        c = gather(b, n, lo, pos, mag);
+        int32_t t = kth_largest(mag, c, k, lo, (int32_t)top, &above);
+        out += emit(b, pos, c, t, k - above, start, idx + out, val + out);
+        guess = (int64_t)t - (1 << 20);
+    }
+    return 1;
+}
+
+/* Elias-Fano (indices.py): `low` low bits of each index packed LSB first, then the high parts in
+ * unary, index i setting bit (index >> low) + i of a vector of `high_bits` bits. */
+static int elias_fano_encode_all(const int64_t *idx, Py_ssize_t count, int64_t universe, int low,
+                                 uint8_t *out_low, uint8_t *out_high, Py_ssize_t high_bits)
+{
+    uint64_t acc = 0, mask = (1ull << low) - 1;
+    int held = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t v = idx[i];
+        if (v < 0 || v >= universe || (i && v <= idx[i - 1]))
+            return 0;
+        Py_ssize_t bit = (Py_ssize_t)(v >> low) + i;
+        out_high[bit >> 3] |= (uint8_t)(1u << (bit & 7));
+        acc |= ((uint64_t)v & mask) << held;
+        for (held += low; held >= 8; held -= 8, acc >>= 8)
+            *out_low++ = (uint8_t)acc;
+    }
+    if (held)
+        *out_low = (uint8_t)acc;
+    (void)high_bits;
+    return 1;
+}
+
+ALWAYS_INLINE uint64_t load_bits64(const uint8_t *p, Py_ssize_t available)
+{
+    uint64_t v = 0;
+    if (available >= 8)
+        memcpy(&v, p, 8); /* little-endian: the byte order of the packed bits */
+    else
+        for (Py_ssize_t b = 0; b < available; b++)
+            v |= (uint64_t)p[b] << (8 * b);
+    return v;
+}
+
+/* The inverse: 0 with count indices in idx; 1 when the first high_bits bits of the high part
+ * do not hold exactly count ones (*detail: how many they hold); 2 when the indices are not
+ * strictly increasing; 3 when the last is at or past universe (*detail: it). */
+static int elias_fano_decode_all(const uint8_t *raw_low, Py_ssize_t low_bytes, const uint8_t *raw_high,
+                                 Py_ssize_t high_bits, Py_ssize_t count, int64_t universe, int low, int64_t *idx,
+                                 int64_t *detail)
+{
+    Py_ssize_t ones = 0, high_bytes = (high_bits + 7) / 8;
+    uint64_t mask = (1ull << low) - 1;
+    for (Py_ssize_t w = 0; w * 64 < high_bits; w++) {
+        uint64_t word = load_bits64(raw_high + 8 * w, high_bytes - 8 * w);
+        if (high_bits - w * 64 < 64)
+            word &= (1ull << (high_bits - w * 64)) - 1;
+        while (word) {
+            if (ones < count) {
+                Py_ssize_t bit = w * 64 + __builtin_ctzll(word);
+                Py_ssize_t at = ones * low;
+                uint64_t l = low ? load_bits64(raw_low + at / 8, low_bytes - at / 8) >> (at % 8) & mask : 0;
+                idx[ones] = ((int64_t)(bit - ones) << low) | (int64_t)l;
+            }
+            ones++;
+            word &= word - 1;
+        }
+    }
+    if (ones != count) {
+        *detail = ones;
+        return 1;
+    }
+    for (Py_ssize_t i = 1; i < count; i++)
+        if (idx[i] <= idx[i - 1])
+            return 2;
+    if (count && idx[count - 1] >= universe) {
+        *detail = idx[count - 1];
+        return 3;
+    }
+    return 0;
+}
+
+/* Σ |v| of m values in double, summed as the binary tree of levels.py's torch path (neighbours
+ * in pairs, then pairs of pairs, over `width` leaves, a power of two >= m, the missing ones zero):
+ * a sum whose order is fixed, so both paths give the same bits. Adding a zero is exact, so the
+ * tree over any width >= m gives the same sum. */
+#define TREE_LEAVES 4096
+
+static double tree_abs_sum(const float *v, Py_ssize_t m, Py_ssize_t width)
+{
+    if (m <= 0)
+        return 0.0;
+    if (width > TREE_LEAVES) {
+        Py_ssize_t half = width / 2;
+        double left = tree_abs_sum(v, m < half ? m : half, half);
+        return m <= half ? left : left + tree_abs_sum(v + half, m - half, half);
+    }
+    if (width == 1)
+        return fabs((double)v[0]);
+    double s[TREE_LEAVES / 2];
+    Py_ssize_t pairs = width / 2, full = m / 2;
+    for (Py_ssize_t i = 0; i < full; i++)
+        s[i] = fabs((double)v[2 * i]) + fabs((double)v[2 * i + 1]);
+    for (Py_ssize_t i = full; i < pairs; i++)
+        s[i] = 0.0;
+    if (m & 1)
+        s[full] = fabs((double)v[m - 1]);
+    for (Py_ssize_t w = pairs; w > 1; w /= 2)
+        for (Py_ssize_t i = 0; i < w / 2; i++)
+            s[i] = s[2 * i] + s[2 * i + 1];
+    return s[0];
+}
+
+static Py_ssize_t pow2_at_least(Py_ssize_t n)
+{
+    Py_ssize_t p = 1;
+    while (p < n)
+        p *= 2;
+    return p;
+}
+
+/* The sign code (levels.py, "sign"): per block of `block` values its mean magnitude s (fp32 of
+ * the double mean), and per value one bit, set when v · (1 / s) > 0 (all clear when s is 0),
+ * packed LSB first after the scales. 1, or 0 when v holds a NaN or an Inf. */
+WIDEST_SIMD
+static int sign_encode_all(const float *v, Py_ssize_t count, Py_ssize_t block, float *scales, uint8_t *bits)
+{
+    Py_ssize_t width = pow2_at_least(block);
+    memset(bits, 0, (size_t)(count + 7) / 8);
+    if (block_absmax_bits(v, count) >= INF_BITS)
+        return 0;
+    for (Py_ssize_t start = 0, b = 0; start < count; start += block, b++) {
+        Py_ssize_t m = count - start < block ? count - start : block;
+        float s = (float)(tree_abs_sum(v + start, m, width) / (double)m);
+        float inv = s > 0.0f ? 1.0f / s : 0.0f;
+        scales[b] = s;
+        for (Py_ssize_t i = start; i < start + m; i++)
+            bits[i >> 3] |= (uint8_t)((v[i] * inv > 0.0f) << (i & 7));
+    }
+    return 1;
+}
+
+/* The sign code's values, ±s of their block, into out[i] (or out[idx[i]] where idx is given,
+ * each below n). 1, or 0 when a scale is negative or not finite, or an index is out of range
+ * (out then partly written). */
+WIDEST_SIMD
+static int sign_decode_all(const float *scales, const uint8_t *bits, Py_ssize_t count, Py_ssize_t block,
+                           const int64_t *idx, float *out, Py_ssize_t n)
+{
+    for (Py_ssize_t start = 0, b = 0; start < count; start += block, b++) {
+        float s = scales[b];
+        if (!(s >= 0.0f && s <= 3.40282346638528859812e+38f))
+            return 0;
+        Py_ssize_t end = count - start < block ? count : start + block;
+        if (idx) {
+            for (Py_ssize_t i = start; i < end; i++) {
+                int64_t at = idx[i];
+                if (at < 0 || at >= n)
+                    return 0;
+                out[at] = (bits[i >> 3] >> (i & 7) & 1 ? 1.0f : -1.0f) * s;
+            }
+        } else {
+            for (Py_ssize_t i = start; i < end; i++)
+                out[i] = (bits[i >> 3] >> (i & 7) & 1 ? 1.0f : -1.0f) * s;
+        }
+    }
+    return 1;
+}
+
+/* residual = x - decoded, for decoded zero but at idx (values dec): x copied, then the kept
+ * elements set to x - dec, the same bits as the dense subtraction (x - 0 is x). */
+static int sparse_residual_all(const float *x, Py_ssize_t n, const int64_t *idx, const float *dec, Py_ssize_t count,
+                               float *residual)
+{
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (idx[i] < 0 || idx[i] >= n)
+            return 0;
+    if (residual != x)
+        memcpy(residual, x, (size_t)n * sizeof(float));
+    for (Py_ssize_t i = 0; i < count; i++)
+        residual[idx[i]] = x[idx[i]] - dec[i];
+    return 1;
+}
+
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what)
 {
     int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
@@ -730,6 +1073,256 @@ static PyObject *apply_q8(PyObject *self, PyObject *args)
     return Py_BuildValue("(dKK)", sumsq, (unsigned long long)low, (unsigned long long)high);
 }
 
+/* Kept per full block, and in all, for topk_blocks with `numel` elements. */
+static Py_ssize_t topk_count(Py_ssize_t numel, Py_ssize_t block, Py_ssize_t k)
+{
+    Py_ssize_t tail = numel % block;
+    return numel / block * (k < block ? k : block) + (k < tail ? k : tail);
+}
+
+PyDoc_STRVAR(topk_doc,
+             "topk(x, block, k, indices, values) -> bool\n\n"
+             "Per block of block elements of the fp32 buffer x (the last may be shorter), the k\n"
+             "largest magnitudes (all of a block of k or fewer), ties at the k-th going to the\n"
+             "lowest positions: their positions in x into the int64 buffer indices and their values\n"
+             "into the fp32 buffer values, in order. False, outputs undefined, when x holds a NaN\n"
+             "or an Inf.");
+
+static PyObject *topk(PyObject *self, PyObject *args)
+{
+    PyObject *objs[3];
+    Py_ssize_t block, k;
+    Py_buffer views[3]; /* x, indices, values */
+    if (!PyArg_ParseTuple(args, "OnnOO", &objs[0], &block, &k, &objs[1], &objs[2]))
+        return NULL;
+    if (block < 1 || block > TOPK_MAX_BLOCK || k < 1) {
+        PyErr_SetString(PyExc_ValueError, "topk: block must be in [1, 2^31) and k >= 1");
+        return NULL;
+    }
+    if (get_arguments(objs, (const char *const[]){"x", "indices", "values"}, 0x6, views) < 0)
+        return NULL;
+    Py_ssize_t numel = views[0].len / (Py_ssize_t)sizeof(float), count = topk_count(numel, block, k);
+    if (views[0].len % (Py_ssize_t)sizeof(float) || views[1].len != count * (Py_ssize_t)sizeof(int64_t) ||
+        views[2].len != count * (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "topk: indices and values must hold the kept count (int64, fp32)");
+        return finish(views, -1);
+    }
+    Py_ssize_t scratch = (block < numel ? block : numel) + 1;
+    int32_t *pos = PyMem_RawMalloc((size_t)scratch * sizeof(int32_t));
+    int32_t *mag = PyMem_RawMalloc((size_t)scratch * sizeof(int32_t));
+    int finite = -1;
+    if (pos && mag) {
+        Py_BEGIN_ALLOW_THREADS
+        finite = topk_blocks((const float *)views[0].buf, numel, block, k, pos, mag, (int64_t *)views[1].buf,
+                             (float *)views[2].buf);
+        Py_END_ALLOW_THREADS
+    } else {
+        PyErr_NoMemory();
+    }
+    PyMem_RawFree(pos);
+    PyMem_RawFree(mag);
+    return finish(views, finite);
+}
+
+/* Elias-Fano's layout for count indices below universe (indices.py): low bits per index, bytes
+ * of the low part and bits of the high part. -1 with a Python error where the kernels do not
+ * apply (universe over 2^56, or not above the count). */
+static int elias_fano_layout(int64_t universe, Py_ssize_t count, int *low, Py_ssize_t *low_bytes,
+                             Py_ssize_t *high_bits)
+{
+    if (count < 1 || universe < count || universe >= (1LL << 56)) {
+        PyErr_SetString(PyExc_ValueError, "elias_fano: need 1 <= count <= universe < 2^56");
+        return -1;
+    }
+    int bits = 0;
+    for (int64_t q = universe / count; q > 1; q >>= 1)
+        bits++;
+    *low = bits;
+    *low_bytes = (count * bits + 7) / 8;
+    *high_bits = count + ((universe - 1) >> bits) + 1;
+    return 0;
+}
+
+PyDoc_STRVAR(elias_fano_encode_doc,
+             "elias_fano_encode(indices, universe, out) -> bool\n\n"
+             "Elias-Fano code (geodiloco.compression.indices) of the int64 buffer indices into the\n"
+             "uint8 buffer out, of exactly the encoded size. False, out undefined, when the indices\n"
+             "are not strictly increasing within [0, universe).");
+
+static PyObject *elias_fano_encode(PyObject *self, PyObject *args)
+{
+    PyObject *objs[3];
+    long long universe;
+    Py_buffer views[3]; /* indices, out (twice: the third is unused) */
+    if (!PyArg_ParseTuple(args, "OLO", &objs[0], &universe, &objs[1]))
+        return NULL;
+    objs[2] = objs[1];
+    if (get_arguments(objs, (const char *const[]){"indices", "out", "out"}, 0x6, views) < 0)
+        return NULL;
+    Py_ssize_t count = views[0].len / (Py_ssize_t)sizeof(int64_t), low_bytes, high_bits;
+    int low;
+    if (elias_fano_layout(universe, count, &low, &low_bytes, &high_bits) < 0)
+        return finish(views, -1);
+    if (views[0].len % (Py_ssize_t)sizeof(int64_t) || views[1].len != low_bytes + (high_bits + 7) / 8) {
+        PyErr_SetString(PyExc_ValueError, "elias_fano_encode: out must hold exactly the encoded size");
+        return finish(views, -1);
+    }
+    uint8_t *out = views[1].buf;
+    int valid;
+    Py_BEGIN_ALLOW_THREADS
+    memset(out, 0, (size_t)views[1].len);
+    valid = elias_fano_encode_all((const int64_t *)views[0].buf, count, universe, low, out, out + low_bytes,
+                                  high_bits);
+    Py_END_ALLOW_THREADS
+    return finish(views, valid);
+}
+
+PyDoc_STRVAR(elias_fano_decode_doc,
+             "elias_fano_decode(raw, universe, indices) -> (status, detail)\n\n"
+             "The inverse of elias_fano_encode into the int64 buffer indices (its length the count).\n"
+             "status 0: decoded; 1: the high part holds detail ones, not count; 2: the indices\n"
+             "are not strictly increasing; 3: index detail is at or past universe.");
+
+static PyObject *elias_fano_decode(PyObject *self, PyObject *args)
+{
+    PyObject *objs[3];
+    long long universe;
+    Py_buffer views[3]; /* raw, indices (twice: the third is unused) */
+    if (!PyArg_ParseTuple(args, "OLO", &objs[0], &universe, &objs[1]))
+        return NULL;
+    objs[2] = objs[1];
+    if (get_arguments(objs, (const char *const[]){"raw", "indices", "indices"}, 0x6, views) < 0)
+        return NULL;
+    Py_ssize_t count = views[1].len / (Py_ssize_t)sizeof(int64_t), low_bytes, high_bits;
+    int low;
+    if (elias_fano_layout(universe, count, &low, &low_bytes, &high_bits) < 0)
+        return finish(views, -1);
+    if (views[1].len % (Py_ssize_t)sizeof(int64_t) || views[0].len != low_bytes + (high_bits + 7) / 8) {
+        PyErr_SetString(PyExc_ValueError, "elias_fano_decode: raw must hold exactly the encoded size");
+        return finish(views, -1);
+    }
+    const uint8_t *raw = views[0].buf;
+    int64_t detail = 0;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = elias_fano_decode_all(raw, low_bytes, raw + low_bytes, high_bits, count, universe, low,
+                                   (int64_t *)views[1].buf, &detail);
+    Py_END_ALLOW_THREADS
+    release_buffers(3, views);
+    return Py_BuildValue("(iL)", status, (long long)detail);
+}
+
+PyDoc_STRVAR(sign_encode_doc,
+             "sign_encode(values, block, out) -> bool\n\n"
+             "The sign code of the fp32 buffer values into the uint8 buffer out: one fp32 mean\n"
+             "magnitude per block, then one bit per value (set: positive). False, out undefined,\n"
+             "when values hold a NaN or an Inf.");
+
+static PyObject *sign_encode(PyObject *self, PyObject *args)
+{
+    PyObject *objs[3];
+    Py_ssize_t block;
+    Py_buffer views[3]; /* values, out (twice: the third is unused) */
+    if (!PyArg_ParseTuple(args, "OnO", &objs[0], &block, &objs[1]))
+        return NULL;
+    objs[2] = objs[1];
+    if (check_block(block) < 0 || get_arguments(objs, (const char *const[]){"values", "out", "out"}, 0x6, views) < 0)
+        return NULL;
+    Py_ssize_t count = views[0].len / (Py_ssize_t)sizeof(float), head = (count + block - 1) / block * 4;
+    if (views[0].len % (Py_ssize_t)sizeof(float) || views[1].len != head + (count + 7) / 8) {
+        PyErr_SetString(PyExc_ValueError, "sign_encode: out must hold one fp32 per block and one bit per value");
+        return finish(views, -1);
+    }
+    uint8_t *out = views[1].buf;
+    float *scales = PyMem_RawMalloc((size_t)head + 1);
+    int finite = -1;
+    if (scales) {
+        Py_BEGIN_ALLOW_THREADS
+        finite = sign_encode_all((const float *)views[0].buf, count, block, scales, out + head);
+        memcpy(out, scales, (size_t)head); /* out's scales need not be aligned */
+        Py_END_ALLOW_THREADS
+    } else {
+        PyErr_NoMemory();
+    }
+    PyMem_RawFree(scales);
+    return finish(views, finite);
+}
+
+PyDoc_STRVAR(sign_decode_doc,
+             "sign_decode(raw, count, block, out, indices) -> bool\n\n"
+             "The count values of the sign code raw (sign_encode's layout) into the fp32 buffer out,\n"
+             "value i at out[i], or at out[indices[i]] where the int64 buffer indices is given (out\n"
+             "is then left as it is elsewhere). False, out partly written, when a scale is negative\n"
+             "or not finite, or an index is outside out.");
+
+static PyObject *sign_decode(PyObject *self, PyObject *args)
+{
+    PyObject *objs[4];
+    Py_ssize_t count, block;
+    Py_buffer views[4]; /* raw, out, indices */
+    if (!PyArg_ParseTuple(args, "OnnOO", &objs[0], &count, &block, &objs[1], &objs[2]))
+        return NULL;
+    if (check_block(block) < 0 || count < 0)
+        return NULL;
+    int with_indices = objs[2] != Py_None;
+    if (get_buffers(2 + with_indices, objs, (const char *const[]){"raw", "out", "indices"}, 0x2, views) < 0)
+        return NULL;
+    Py_ssize_t head = (count + block - 1) / block * 4, n = views[1].len / (Py_ssize_t)sizeof(float);
+    if (views[0].len != head + (count + 7) / 8 || views[1].len % (Py_ssize_t)sizeof(float) ||
+        (with_indices ? views[2].len != count * (Py_ssize_t)sizeof(int64_t) : n != count)) {
+        release_buffers(2 + with_indices, views);
+        PyErr_SetString(PyExc_ValueError,
+                        "sign_decode: raw must be the code of count values, out hold them (or indices name them)");
+        return NULL;
+    }
+    const uint8_t *raw = views[0].buf;
+    float *scales = PyMem_RawMalloc((size_t)head + 1);
+    int valid = -1;
+    if (scales) {
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(scales, raw, (size_t)head);
+        valid = sign_decode_all(scales, raw + head, count, block, with_indices ? (const int64_t *)views[2].buf : NULL,
+                                (float *)views[1].buf, n);
+        Py_END_ALLOW_THREADS
+    } else {
+        PyErr_NoMemory();
+    }
+    PyMem_RawFree(scales);
+    release_buffers(2 + with_indices, views);
+    return valid < 0 ? NULL : PyBool_FromLong(valid);
+}
+
+PyDoc_STRVAR(sparse_residual_doc,
+             "sparse_residual(x, indices, decoded, residual) -> bool\n\n"
+             "residual = x - (zeros but decoded at indices), for fp32 x and residual of one length\n"
+             "(residual may be x itself), int64 indices and fp32 decoded of one length. False,\n"
+             "nothing written, when an index is outside x.");
+
+static PyObject *sparse_residual(PyObject *self, PyObject *args)
+{
+    PyObject *objs[4];
+    Py_buffer views[4]; /* x, indices, decoded, residual */
+    if (!PyArg_ParseTuple(args, "OOOO", &objs[0], &objs[1], &objs[2], &objs[3]))
+        return NULL;
+    if (get_buffers(4, objs, (const char *const[]){"x", "indices", "decoded", "residual"}, 0x8, views) < 0)
+        return NULL;
+    Py_ssize_t n = views[0].len / (Py_ssize_t)sizeof(float), count = views[1].len / (Py_ssize_t)sizeof(int64_t);
+    if (views[0].len % (Py_ssize_t)sizeof(float) || views[3].len != views[0].len ||
+        views[1].len % (Py_ssize_t)sizeof(int64_t) || views[2].len != count * (Py_ssize_t)sizeof(float)) {
+        release_buffers(4, views);
+        PyErr_SetString(PyExc_ValueError,
+                        "sparse_residual: x and residual must be fp32 of one length, decoded one fp32 per index");
+        return NULL;
+    }
+    int valid;
+    Py_BEGIN_ALLOW_THREADS
+    valid = sparse_residual_all((const float *)views[0].buf, n, (const int64_t *)views[1].buf,
+                                (const float *)views[2].buf, count, (float *)views[3].buf);
+    Py_END_ALLOW_THREADS
+    release_buffers(4, views);
+    return PyBool_FromLong(valid);
+}
+
 static PyMethodDef methods[] = {
     {"quantize_q8", quantize_q8, METH_VARARGS, quantize_q8_doc},
     {"dequantize_q8", dequantize_q8, METH_VARARGS, dequantize_q8_doc},
@@ -742,6 +1335,12 @@ static PyMethodDef methods[] = {
     {"nesterov_send", nesterov_send, METH_VARARGS, nesterov_send_doc},
     {"add_and_hash", add_and_hash, METH_VARARGS, add_and_hash_doc},
     {"apply_q8", apply_q8, METH_VARARGS, apply_q8_doc},
+    {"topk", topk, METH_VARARGS, topk_doc},
+    {"elias_fano_encode", elias_fano_encode, METH_VARARGS, elias_fano_encode_doc},
+    {"elias_fano_decode", elias_fano_decode, METH_VARARGS, elias_fano_decode_doc},
+    {"sign_encode", sign_encode, METH_VARARGS, sign_encode_doc},
+    {"sign_decode", sign_decode, METH_VARARGS, sign_decode_doc},
+    {"sparse_residual", sparse_residual, METH_VARARGS, sparse_residual_doc},
     {NULL, NULL, 0, NULL},
 };
 

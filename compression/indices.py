@@ -2,7 +2,8 @@
 
 Each index is split into ``l`` low bits, stored packed, and a high part, stored in unary as
 one set bit per index in a bit vector of ``k + (n - 1) >> l + 1`` bits. The size depends only
-on ``n`` and ``k``, so a receiver knows it before reading a byte.
+on ``n`` and ``k``, so a receiver knows it before reading a byte. A C kernel codes host index
+sets (compression/_kernels.c, the same bytes); the torch code is the fallback and the device path.
 """
 
 from __future__ import annotations
@@ -11,6 +12,13 @@ import torch
 
 from geodiloco.compression.bits import pack_bits, packed_size, unpack_bits
 from geodiloco.compression.codec_error import CodecError
+
+try:
+    from geodiloco.compression import _kernels
+except ImportError:  # pragma: no cover - only where no C compiler was available at install
+    _kernels = None  # type: ignore[assignment]
+
+KERNEL_UNIVERSE = 1 << 56  # the kernels' bit reader takes up to 56 low bits at a time
 
 
 def _low_bits(universe: int, count: int) -> int:
@@ -31,6 +39,11 @@ def encode(indices: torch.Tensor, universe: int) -> torch.Tensor:
     count = indices.numel()
     if count == 0:
         return torch.empty(0, dtype=torch.uint8)
+    if _kernels is not None and _host(indices) and count <= universe < KERNEL_UNIVERSE:
+        out = torch.empty(encoded_size(universe, count), dtype=torch.uint8, device=indices.device)
+        if not _kernels.elias_fano_encode(indices.contiguous().numpy(), universe, out.numpy()):
+            raise CodecError(f"index set: the indices are not strictly increasing within [0, {universe})")
+        return out
     low = _low_bits(universe, count)
     high = torch.zeros(_high_bits(universe, count), dtype=torch.uint8)
     high[(indices >> low) + torch.arange(count)] = 1
@@ -44,6 +57,8 @@ def decode(raw: torch.Tensor, universe: int, count: int) -> torch.Tensor:
         raise CodecError(f"index set: {raw.numel()} bytes, expected {encoded_size(universe, count)}")
     if count == 0:
         return torch.zeros(0, dtype=torch.int64)
+    if _kernels is not None and raw.device.type == "cpu" and count <= universe < KERNEL_UNIVERSE:
+        return _decode_fused(raw, universe, count)
     low = _low_bits(universe, count)
     split = packed_size(count, low)
     ones = torch.nonzero(unpack_bits(raw[split:], 1, _high_bits(universe, count))).view(-1)
@@ -57,3 +72,20 @@ def decode(raw: torch.Tensor, universe: int, count: int) -> torch.Tensor:
     if int(indices[-1]) >= universe:
         raise CodecError(f"index set: index {int(indices[-1])} is outside [0, {universe})")
     return indices
+
+
+def _host(indices: torch.Tensor) -> bool:
+    return indices.device.type == "cpu" and indices.dtype == torch.int64
+
+
+def _decode_fused(raw: torch.Tensor, universe: int, count: int) -> torch.Tensor:
+    """:func:`decode` by the C kernel: the same indices, and the same refusals."""
+    out = torch.empty(count, dtype=torch.int64, device=raw.device)
+    status, detail = _kernels.elias_fano_decode(raw.contiguous().numpy(), universe, out.numpy())
+    if status == 1:
+        raise CodecError(f"index set: {detail} entries in the high part, expected {count}")
+    if status == 2:
+        raise CodecError("index set: indices are not strictly increasing")
+    if status == 3:
+        raise CodecError(f"index set: index {detail} is outside [0, {universe})")
+    return out

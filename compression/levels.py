@@ -10,6 +10,10 @@ no zero level (an exact zero decodes to -0.453·s). With the mean magnitude as `
 levels ±1 (``sign``), each element is its sign times its block's mean magnitude: the 1-bit code
 whose scale minimises the squared error, for the values top-k keeps (all far from zero), at half
 the bits of ``q2``. Layout: fp32 ``s`` per block, then the packed codes.
+
+A mean magnitude is a float64 sum in a fixed order (:func:`tree_sum`), so that the C kernel of
+the sign code (compression/_kernels.c), which codes host tensors, gives the same bytes as the
+torch code here, the fallback.
 """
 
 from __future__ import annotations
@@ -18,12 +22,30 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from geodiloco.compression.base import as_blocks, n_blocks, reinterpret
 from geodiloco.compression.bits import pack_bits, packed_size, unpack_bits
 from geodiloco.compression.codec_error import CodecError
 
+try:
+    from geodiloco.compression import _kernels
+except ImportError:  # pragma: no cover - only where no C compiler was available at install
+    _kernels = None  # type: ignore[assignment]
+
 FP32_MAX = torch.finfo(torch.float32).max
+SIGN_LEVELS = (-1.0, 1.0)
+
+
+def tree_sum(rows: torch.Tensor) -> torch.Tensor:
+    """The sum of each row, as a binary tree: neighbours in pairs, then pairs of pairs, over the
+    row zero-padded to a power of two. torch's own sum orders its terms by the machine's vector
+    width; this order is fixed, and the C kernel sums in it too."""
+    width = 1 << (rows.shape[1] - 1).bit_length()
+    s = F.pad(rows, (0, width - rows.shape[1]))
+    while s.shape[1] > 1:
+        s = s[:, 0::2] + s[:, 1::2]
+    return s[:, 0]
 
 
 def e2m1_levels() -> tuple[float, ...]:
@@ -83,11 +105,21 @@ class LevelQuantizer:
         counts = torch.full((xb.shape[0],), float(self.block), dtype=torch.float64, device=xb.device)
         counts[-1] = numel - (xb.shape[0] - 1) * self.block  # the zero padding is not data
         if self.scale == "mean_abs":
-            return (xb.to(torch.float64).abs().sum(dim=1) / counts).to(torch.float32)
+            return (tree_sum(xb.to(torch.float64).abs()) / counts).to(torch.float32)
         rms = (xb.to(torch.float64).square().sum(dim=1) / counts).sqrt()
         return rms.clamp_(max=self.max_scale).to(torch.float32)
 
+    @property
+    def fused(self) -> bool:
+        """Whether the C kernels code this codec on the host (the sign code)."""
+        return _kernels is not None and self.scale == "mean_abs" and self.bits == 1 and self.levels == SIGN_LEVELS
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.device.type == "cpu" and x.dtype == torch.float32:
+            out = torch.empty(self.encoded_size(x.numel()), dtype=torch.uint8, device=x.device)
+            if not _kernels.sign_encode(x.detach().contiguous().numpy(), self.block, out.numpy()):
+                raise CodecError("tensor contains NaN or Inf")
+            return out
         return self._encode(x)[0]
 
     @property
@@ -133,6 +165,10 @@ class LevelQuantizer:
         return out, codes, scale
 
     def decode(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
+        if self.fused and raw.device.type == "cpu":
+            out = torch.empty(numel, dtype=torch.float32, device=raw.device)
+            self.scatter(raw, None, out)
+            return out
         if raw.numel() != self.encoded_size(numel):
             raise CodecError(f"{self.spec}: {raw.numel()} bytes, expected {self.encoded_size(numel)}")
         nb = n_blocks(numel, self.block)
@@ -144,6 +180,21 @@ class LevelQuantizer:
             raise CodecError(f"{self.spec}: a code exceeds the {len(self.levels)} levels")
         values = torch.tensor(self.levels, dtype=torch.float32)[codes]
         return (as_blocks(values, self.block) * scale[:, None]).view(-1)[:numel].contiguous()
+
+    def scatter(self, raw: torch.Tensor, kept: torch.Tensor | None, out: torch.Tensor) -> bool:
+        """``out[kept]`` = :meth:`decode`'s values (``out`` itself where ``kept`` is None; the
+        contiguous host fp32 ``out`` is left as it is elsewhere) in one C pass over the codes, for
+        the sign code: the same values. False, nothing written, where the kernel does not apply.
+        Refuses what :meth:`decode` refuses."""
+        numel = out.numel() if kept is None else kept.numel()
+        if not (self.fused and out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()):
+            return False
+        if raw.numel() != self.encoded_size(numel):
+            raise CodecError(f"{self.spec}: {raw.numel()} bytes, expected {self.encoded_size(numel)}")
+        where = None if kept is None else kept.contiguous().numpy()
+        if not _kernels.sign_decode(raw.contiguous().numpy(), numel, self.block, out.numpy(), where):
+            raise CodecError(f"{self.spec}: a block scale is negative, not finite or too large")
+        return True
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:

@@ -28,6 +28,7 @@ from geodiloco.compression.codec_error import CodecError
 from geodiloco.compression.cyclic import Cyclic, Place
 from geodiloco.compression.entropy import Zstd
 from geodiloco.compression.levels import (
+    SIGN_LEVELS,
     LevelQuantizer,
     e2m1_levels,
     gaussian_two_bit_levels,
@@ -119,7 +120,7 @@ VALUE_CODECS: dict[str, Callable[[StageArgs], ValueCodec]] = {
     "fp4": _levels("fp4", e2m1_levels()),
     "nf4": _levels("nf4", normal_float_levels()),
     "lm2": _levels("lm2", gaussian_two_bit_levels(), bits=2, scale="rms"),
-    "sign": _levels("sign", (-1.0, 1.0), bits=1, scale="mean_abs"),
+    "sign": _levels("sign", SIGN_LEVELS, bits=1, scale="mean_abs"),
 }
 DEVICE_CODECS = (BlockwiseAbsmax, LevelQuantizer)  # value codecs with an ``encode_on_device``
 SPARSIFIERS: dict[str, Callable[[StageArgs], TopK | Cyclic]] = {"topk": _topk, "cyclic": _cyclic}
@@ -205,8 +206,8 @@ class Pipeline:
             kept = self.sparsifier.select(place, x.numel())
             assert place is not None
             return self.values.encode(x[kept]), self.sparsifier.prefix(place)
-        kept = self.sparsifier.select(x)
-        return torch.cat([indices.encode(kept, x.numel()), self.values.encode(x[kept])]), b""
+        kept, values = self.sparsifier.select_values(x)
+        return torch.cat([indices.encode(kept, x.numel()), self.values.encode(values)]), b""
 
     def _seal(self, raw: torch.Tensor, numel: int, prefix: bytes) -> bytes:
         """Entropy-code the raw bytes (host uint8) and frame them."""
@@ -391,7 +392,8 @@ class Pipeline:
             kept = indices.decode(raw[:split], numel, self.sparsifier.count(numel))
             raw = raw[split:]
         out = torch.zeros(numel, dtype=torch.float32)
-        out[kept] = self.values.decode(raw, kept.numel())
+        if not (isinstance(self.values, LevelQuantizer) and self.values.scatter(raw, kept, out)):
+            out[kept] = self.values.decode(raw, kept.numel())
         return out
 
     def _join_nibbles(
@@ -420,6 +422,23 @@ class Pipeline:
         host = x.detach().reshape(-1).to("cpu", torch.float32)
         raw, prefix = self._raw_of(host, place)
         return self._seal(raw, host.numel(), prefix), raw
+
+    def encode_with_residual(self, x: torch.Tensor, residual: torch.Tensor, place: Place | None = None) -> bytes:
+        """The frame of ``x``, and ``residual`` = x − the values every receiver decodes from it
+        (error feedback's record), written in place. Top-k on the host copies ``x`` and corrects
+        the kept elements (:meth:`~.sparsify.TopK.residual`) where :meth:`roundtrip` would write
+        a dense decoded tensor and subtract it: the same bits."""
+        flat = x.detach().reshape(-1)
+        host = all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (flat, residual))
+        if isinstance(self.sparsifier, TopK) and host and residual.is_contiguous():
+            kept, values = self.sparsifier.select_values(flat)
+            coded = self.values.encode(values)
+            data = self._seal(torch.cat([indices.encode(kept, flat.numel()), coded]), flat.numel(), b"")
+            self.sparsifier.residual(flat, kept, self.values.decode(coded, kept.numel()), residual.view(-1))
+            return data
+        data, back = self.roundtrip(x, place)
+        torch.sub(x, back.view_as(x), out=residual.view_as(x))
+        return data
 
     def roundtrip(
         self, x: torch.Tensor, place: Place | None = None, *, on_device: bool | None = None

@@ -115,8 +115,8 @@ class DeltaEncoding(LazyChunks):
             values = self.to_send[offset : offset + segment.numel]
             with torch.no_grad():
                 # on Δ's device: a GPU site quantises there and decodes there for the residual
-                payload, back = self.codec.roundtrip(values, Place(self.round, segment))
-                torch.sub(values, back, out=self.residual[offset : offset + segment.numel])
+                residual = self.residual[offset : offset + segment.numel]
+                payload = self.codec.encode_with_residual(values, residual, Place(self.round, segment))
             chunk = self._done[i] = WireChunk(segment, payload)
         return chunk
 
