@@ -349,11 +349,14 @@ static int apply_q8_span(float *theta, const float *step, const int8_t *codes, P
  * rule of the torch path in sparsify.py, which tests hold these kernels to bit for bit. A
  * magnitude is compared as the integer of its bit pattern with the sign cleared, which orders
  * like the float (denormals and ±0 included) and vectorises without -ffast-math. There is no
- * sort: counting passes over the block (which vectorise, the block sitting in L1) bracket the
- * threshold until at most 2k + TOPK_SPARE elements lie at or above its lower end, those are
- * gathered in order, a radix select on their patterns finds the exact k-th largest, and one walk
- * over the gathered ones emits the kept positions in order. A block starts its search just below
- * the previous block's threshold, which in a pseudo-gradient is usually one count away. */
+ * sort. Counting passes over the block (which vectorise, the block sitting in L1) bracket the
+ * k-th largest magnitude until at most 2k + TOPK_SPARE elements lie at or above the bracket's
+ * lower end; those magnitudes are gathered, and counting passes over them alone narrow the
+ * bracket until exactly k lie at or above its lower end, or it holds one value (ties); one last
+ * pass emits the kept positions and values in order. A block starts its search just below the
+ * previous block's threshold, which in a pseudo-gradient is usually one count away. Where the
+ * CPU has AVX-512, the gather and the emitting pass use its compress instructions (16 elements
+ * at a time, no branch); elsewhere they are scalar and branch-free. */
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -361,8 +364,14 @@ static int apply_q8_span(float *theta, const float *step, const int8_t *codes, P
 #define ALWAYS_INLINE static inline
 #endif
 
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_AVX512_PATH 1
+#endif
+
 #define TOPK_SPARE 32
 #define TOPK_MAX_BLOCK 0x7fffffffLL /* positions within a block are int32 */
+#define LANES 16                    /* fp32 lanes of an AVX-512 vector: the scratch's slack */
 
 ALWAYS_INLINE int32_t magnitude(float v)
 {
@@ -379,118 +388,196 @@ ALWAYS_INLINE Py_ssize_t count_at_least(const float *x, Py_ssize_t n, int32_t t)
     return count;
 }
 
-/* The largest pattern `lo` found for which at least k of the n magnitudes are >= lo (their count
- * in *at_least), searched from `guess`: steps that double while every count lands on one side,
- * then bisection. Stops once the count is at most 2k + TOPK_SPARE, or when lo is the threshold
- * itself (hi = lo + 1). All magnitudes are below top + 1. */
-ALWAYS_INLINE int32_t bracket(const float *x, Py_ssize_t n, Py_ssize_t k, int32_t top, int64_t guess,
-                              Py_ssize_t *at_least)
+ALWAYS_INLINE Py_ssize_t count_mags_at_least(const int32_t *mag, Py_ssize_t n, int32_t t)
 {
-    int64_t lo = 0, hi = (int64_t)top + 1, g = guess, step = 1 << 21;
-    int lo_seen = 0, hi_seen = 0;
-    Py_ssize_t count = n;
-    while (hi - lo > 1) {
-        if (g <= lo || g >= hi)
-            g = lo + (hi - lo) / 2;
-        Py_ssize_t c = count_at_least(x, n, (int32_t)g);
-        if (c >= k) {
-            lo = g, count = c, lo_seen = 1;
-            if (c <= 2 * k + TOPK_SPARE)
-                break;
-        } else {
-            hi = g, hi_seen = 1;
-        }
-        if (lo_seen && hi_seen)
-            g = lo + (hi - lo) / 2;
-        else
-            g = hi_seen ? g - step : g + step;
-        step = step < (1 << 29) ? step * 2 : step;
-    }
-    *at_least = count;
-    return (int32_t)lo;
+    int32_t count = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        count += mag[i] >= t;
+    return count;
 }
 
-/* Positions (and magnitudes) of the elements whose magnitude is >= lo, in order. pos and mag
- * hold n + 1 entries: every element is written, and kept by advancing the count. */
-ALWAYS_INLINE Py_ssize_t gather(const float *x, Py_ssize_t n, int32_t lo, int32_t *pos, int32_t *mag)
+/* at_lo = count(magnitude >= lo) >= k > at_hi = count(magnitude >= hi). The kept elements are
+ * those >= hi and the first k - at_hi (in position) of those in [lo, hi): once at_lo == k that
+ * is all of them, and once hi == lo + 1 they are the ties at the k-th largest. */
+typedef struct {
+    int64_t lo, hi;
+    Py_ssize_t at_lo, at_hi;
+} Bracket;
+
+/* Narrow the bracket b of a block's n magnitudes by counting passes until at most 2k + TOPK_SPARE
+ * are >= lo or the bracket is final: steps (doubling) away from the end that a count has set, or
+ * from `first` before any, then bisection once both ends are counted. */
+ALWAYS_INLINE Bracket bracket(const float *x, Py_ssize_t n, Py_ssize_t k, Bracket b, int64_t first)
+{
+    int64_t step = 1 << 21;
+    while (b.at_lo > 2 * k + TOPK_SPARE && b.hi - b.lo > 1) {
+        int lo_seen = b.lo > 0, hi_seen = b.at_hi > 0; /* a count of 0 never sets hi: top counts */
+        int64_t g = lo_seen && hi_seen ? b.lo + (b.hi - b.lo) / 2
+                    : hi_seen          ? b.hi - step
+                    : lo_seen          ? b.lo + step
+                                       : first;
+        if (g <= b.lo || g >= b.hi)
+            g = b.lo + (b.hi - b.lo) / 2;
+        Py_ssize_t c = count_at_least(x, n, (int32_t)g);
+        if (c >= k)
+            b.lo = g, b.at_lo = c;
+        else
+            b.hi = g, b.at_hi = c;
+        step = step < (1 << 29) ? step * 2 : step;
+    }
+    return b;
+}
+
+/* Bisect the bracket by counting over the c gathered magnitudes (those >= lo) until it is final. */
+ALWAYS_INLINE Bracket narrow(const int32_t *mag, Py_ssize_t c, Py_ssize_t k, Bracket b)
+{
+    while (b.at_lo != k && b.hi - b.lo > 1) {
+        int64_t g = b.lo + (b.hi - b.lo) / 2;
+        Py_ssize_t at = count_mags_at_least(mag, c, (int32_t)g);
+        if (at >= k)
+            b.lo = g, b.at_lo = at;
+        else
+            b.hi = g, b.at_hi = at;
+    }
+    return b;
+}
+
+/* The portable path: gather positions and magnitudes >= lo (pos and mag hold n + 1 entries:
+ * every element is written, and kept by advancing the count), narrow, then walk the gathered
+ * positions and emit the kept ones, stopping at the k-th. */
+static Bracket keep_portable(const float *x, Py_ssize_t n, Py_ssize_t k, Bracket b, int64_t base, int32_t *pos,
+                             int32_t *mag, int64_t *idx, float *val)
 {
     Py_ssize_t c = 0;
+    int32_t lo = (int32_t)b.lo;
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t m = magnitude(x[i]);
         pos[c] = (int32_t)i;
         mag[c] = m;
         c += m >= lo;
     }
-    return c;
-}
-
-/* The k-th largest of m[0..c) (1 <= k <= c, every one in [lo, top]) and in *above how many are
- * larger; m is reordered. Radix select by bytes, from the highest byte in which lo and top
- * differ (the ones above it are common to all). */
-static int32_t kth_largest(int32_t *m, Py_ssize_t c, Py_ssize_t k, int32_t lo, int32_t top, Py_ssize_t *above)
-{
-    uint32_t diff = (uint32_t)(lo ^ top);
-    *above = 0;
-    if (!diff)
-        return lo;
-    for (int shift = (31 - __builtin_clz(diff)) & ~7; shift >= 0; shift -= 8) {
-        Py_ssize_t hist[256] = {0};
-        int high = 0;
-        for (Py_ssize_t j = 0; j < c; j++) {
-            int d = (m[j] >> shift) & 255;
-            hist[d]++;
-            high = d > high ? d : high;
-        }
-        int d = high;
-        Py_ssize_t larger = 0;
-        while (larger + hist[d] < k)
-            larger += hist[d--];
-        *above += larger;
-        k -= larger;
-        Py_ssize_t w = 0;
-        for (Py_ssize_t j = 0; j < c; j++) {
-            int32_t v = m[j];
-            m[w] = v;
-            w += ((v >> shift) & 255) == d;
-        }
-        c = w;
-    }
-    return m[0];
-}
-
-/* Walk the gathered positions in order and emit those kept: magnitude above t, or equal to it
- * while `ties` remain. Returns how many were emitted (k). */
-ALWAYS_INLINE Py_ssize_t emit(const float *x, const int32_t *pos, Py_ssize_t c, int32_t t, Py_ssize_t ties,
-                              int64_t base, int64_t *idx, float *val)
-{
-    Py_ssize_t o = 0;
-    int64_t idx_sink;
-    float val_sink;
-    for (Py_ssize_t j = 0; j < c; j++) {
+    b = narrow(mag, c, k, b);
+    lo = (int32_t)b.lo;
+    int32_t hi = (int32_t)b.hi;
+    Py_ssize_t ties = k - b.at_hi, o = 0;
+    for (Py_ssize_t j = 0; j < c && o < k; j++) {
         float v = x[pos[j]];
         int32_t m = magnitude(v);
-        int tie = m == t, keep = (m > t) | (tie & (ties > 0));
-        ties -= tie & keep;
-        *(keep ? idx + o : &idx_sink) = base + pos[j]; /* no branch, and no write past the quota */
-        *(keep ? val + o : &val_sink) = v;
+        int between = (m >= lo) & (m < hi), keep = (m >= hi) | (between & (ties > 0));
+        ties -= between & keep;
+        idx[o] = base + pos[j];
+        val[o] = v;
         o += keep;
     }
-    return o;
+    return b;
+}
+
+#ifdef HAVE_AVX512_PATH
+/* Kept lanes of one vector of 16 magnitudes m (lanes outside `in` masked off): those >= hi, and
+ * of those in [lo, hi) the first `*ties` (in position), counted off. */
+__attribute__((target("avx512f"))) static inline __mmask16 kept_lanes(__m512i m, __mmask16 in, __m512i lo, __m512i hi,
+                                                                      Py_ssize_t *ties)
+{
+    __mmask16 above = _mm512_mask_cmpge_epi32_mask(in, m, hi);
+    __mmask16 between = _mm512_mask_cmpge_epi32_mask(in, m, lo) & (__mmask16)~above;
+    Py_ssize_t taken = __builtin_popcount(between);
+    if (taken > *ties) { /* the last ties of the block: keep the first */
+        __mmask16 first = 0;
+        for (Py_ssize_t t = 0; t < *ties; t++, between &= (__mmask16)(between - 1))
+            first |= (__mmask16)(between & -between);
+        between = first;
+        taken = *ties;
+    }
+    *ties -= taken;
+    return above | between;
+}
+
+/* The same with AVX-512 compress: the magnitudes >= lo gathered 16 at a time, and the kept
+ * elements' values and positions in the block (int32; topk_blocks widens them) emitted 16 at a
+ * time from the whole block. mag, pos and val have LANES entries of slack past what they keep
+ * (a compressed vector is stored whole). Where every element in [lo, hi) is kept (the usual
+ * case: exactly k at or above lo), one comparison a vector decides. */
+__attribute__((target("avx512f"))) static Bracket keep_avx512(const float *x, Py_ssize_t n, Py_ssize_t k, Bracket b,
+                                                             int32_t *mag, int32_t *pos, float *val)
+{
+    const __m512i abs_mask = _mm512_set1_epi32((int)ABS_MASK);
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i step = _mm512_set1_epi32(LANES);
+    Py_ssize_t full = n - n % LANES, c = 0;
+    __m512i lo = _mm512_set1_epi32((int32_t)b.lo);
+    for (Py_ssize_t i = 0; i < full; i += LANES) {
+        __m512i m = _mm512_and_si512(_mm512_loadu_si512(x + i), abs_mask);
+        __mmask16 at = _mm512_cmpge_epi32_mask(m, lo);
+        _mm512_storeu_si512(mag + c, _mm512_maskz_compress_epi32(at, m));
+        c += __builtin_popcount(at);
+    }
+    for (Py_ssize_t i = full; i < n; i++) {
+        mag[c] = magnitude(x[i]);
+        c += mag[c] >= (int32_t)b.lo;
+    }
+    b = narrow(mag, c, k, b);
+    lo = _mm512_set1_epi32((int32_t)b.lo);
+    __m512i hi = _mm512_set1_epi32((int32_t)b.hi), at = lanes;
+    Py_ssize_t ties = k - b.at_hi, o = 0, i = 0;
+    if (b.at_lo == k) /* every element >= lo is kept */
+        for (; i < full; i += LANES, at = _mm512_add_epi32(at, step)) {
+            __m512 v = _mm512_loadu_ps(x + i);
+            __mmask16 keep = _mm512_cmpge_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), lo);
+            _mm512_storeu_ps(val + o, _mm512_maskz_compress_ps(keep, v));
+            _mm512_storeu_si512(pos + o, _mm512_maskz_compress_epi32(keep, at));
+            o += __builtin_popcount(keep);
+        }
+    else
+        for (; i < full; i += LANES, at = _mm512_add_epi32(at, step)) {
+            __m512 v = _mm512_loadu_ps(x + i);
+            __mmask16 keep =
+                kept_lanes(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), 0xFFFF, lo, hi, &ties);
+            _mm512_storeu_ps(val + o, _mm512_maskz_compress_ps(keep, v));
+            _mm512_storeu_si512(pos + o, _mm512_maskz_compress_epi32(keep, at));
+            o += __builtin_popcount(keep);
+        }
+    if (i < n) { /* the block's last n % 16 */
+        __mmask16 in = (__mmask16)((1u << (n - i)) - 1);
+        __m512 v = _mm512_maskz_loadu_ps(in, x + i);
+        __mmask16 keep = kept_lanes(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), in, lo, hi, &ties);
+        _mm512_storeu_ps(val + o, _mm512_maskz_compress_ps(keep, v));
+        _mm512_storeu_si512(pos + o, _mm512_maskz_compress_epi32(keep, at));
+    }
+    return b;
+}
+
+static int avx512_ready = -1; /* whether this CPU runs keep_avx512 (set at module load) */
+#endif
+
+/* The magnitudes' largest pattern, and how many are >= t, in one pass. */
+ALWAYS_INLINE Py_ssize_t top_and_count(const float *x, Py_ssize_t n, int32_t t, uint32_t *top)
+{
+    uint32_t m = 0;
+    int32_t count = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t bits = (uint32_t)magnitude(x[i]);
+        m = bits > m ? bits : m;
+        count += (int32_t)bits >= t;
+    }
+    *top = m;
+    return count;
 }
 
 /* The kept elements of x (numel of them, blocks of `block`, k kept of each or all of a shorter
- * one): global positions into idx, values into val, in order. pos and mag are scratch of
- * block + 1 entries. 1, or 0 when x holds a NaN or an Inf (outputs undefined). */
+ * one): global positions into idx, values into val, in order; `portable` keeps to the portable
+ * path on any CPU (tests compare the two). pos and mag are scratch of block + LANES entries,
+ * kval of k + LANES. 1, or 0 when x holds a NaN or an Inf (outputs undefined). */
 WIDEST_SIMD
-static int topk_blocks(const float *x, Py_ssize_t numel, Py_ssize_t block, Py_ssize_t k, int32_t *pos,
-                       int32_t *mag, int64_t *idx, float *val)
+static int topk_blocks(const float *x, Py_ssize_t numel, Py_ssize_t block, Py_ssize_t k, int portable,
+                       int32_t *pos, int32_t *mag, float *kval, int64_t *idx, float *val)
 {
     int64_t guess = -1;
     Py_ssize_t out = 0;
     for (Py_ssize_t start = 0; start < numel; start += block) {
         Py_ssize_t n = numel - start < block ? numel - start : block;
         const float *b = x + start;
-        uint32_t top = block_absmax_bits(b, n);
+        uint32_t top;
+        Py_ssize_t at_guess = top_and_count(b, n, guess > 0 ? (int32_t)guess : INT32_MAX, &top);
         if (top >= INF_BITS)
             return 0;
         if (k >= n) {
@@ -501,48 +588,103 @@ static int topk_blocks(const float *x, Py_ssize_t numel, Py_ssize_t block, Py_ss
             out += n;
             continue;
         }
-        Py_ssize_t c, above;
-        int32_t lo = bracket(b, n, k, (int32_t)top, guess >= 0 ? guess : (int64_t)top - (1 << 23), &c);
-        c = gather(b, n, lo, pos, mag);
-        int32_t t = kth_largest(mag, c, k, lo, (int32_t)top, &above);
-        out += emit(b, pos, c, t, k - above, start, idx + out, val + out);
-        guess = (int64_t)t - (1 << 20);
+        Bracket br = {0, (int64_t)top + 1, n, 0};
+        if (guess > 0 && guess <= (int64_t)top) { /* the first count, made with the maximum */
+            if (at_guess >= k)
+                br.lo = guess, br.at_lo = at_guess;
+            else
+                br.hi = guess, br.at_hi = at_guess;
+        }
+        br = bracket(b, n, k, br, (int64_t)top - (1 << 23));
+#ifdef HAVE_AVX512_PATH
+        if (avx512_ready && !portable) {
+            br = keep_avx512(b, n, k, br, mag, pos, kval);
+            for (Py_ssize_t j = 0; j < k; j++)
+                idx[out + j] = start + pos[j];
+            memcpy(val + out, kval, (size_t)k * sizeof *val);
+        } else
+#endif
+            br = keep_portable(b, n, k, br, start, pos, mag, idx + out, val + out);
+        out += k;
+        guess = br.lo - (1 << 20);
     }
     return 1;
 }
 
 /* Elias-Fano (indices.py): `low` low bits of each index packed LSB first, then the high parts in
- * unary, index i setting bit (index >> low) + i of a vector of `high_bits` bits. */
-static int elias_fano_encode_all(const int64_t *idx, Py_ssize_t count, int64_t universe, int low,
-                                 uint8_t *out_low, uint8_t *out_high, Py_ssize_t high_bits)
+ * unary, index i setting bit (index >> low) + i of the high part. Both parts are built in 64-bit
+ * words (out is zeroed first), which are stored little-endian as the packed bytes. 1, or 0 when
+ * the indices are not strictly increasing within [0, universe). */
+ALWAYS_INLINE void store_word(uint8_t *at, uint64_t word, Py_ssize_t room)
 {
-    uint64_t acc = 0, mask = (1ull << low) - 1;
-    int held = 0;
+    if (room >= 8) /* little-endian, as the packed bytes; a fixed size is one store */
+        memcpy(at, &word, 8);
+    else
+        for (Py_ssize_t b = 0; b < room; b++)
+            at[b] = (uint8_t)(word >> (8 * b));
+}
+
+static int elias_fano_encode_all(const int64_t *idx, Py_ssize_t count, int64_t universe, int low,
+                                 uint8_t *out_low, Py_ssize_t low_bytes, uint8_t *out_high, Py_ssize_t high_bytes)
+{
+    uint64_t mask = (1ull << low) - 1, acc = 0, word = 0;
+    Py_ssize_t held = 0, at = 0, current = 0; /* bits in acc, low bytes written, high word in hand */
+    int64_t last = -1;
     for (Py_ssize_t i = 0; i < count; i++) {
         int64_t v = idx[i];
-        if (v < 0 || v >= universe || (i && v <= idx[i - 1]))
+        if (v <= last || v >= universe)
             return 0;
+        last = v;
         Py_ssize_t bit = (Py_ssize_t)(v >> low) + i;
-        out_high[bit >> 3] |= (uint8_t)(1u << (bit & 7));
-        acc |= ((uint64_t)v & mask) << held;
-        for (held += low; held >= 8; held -= 8, acc >>= 8)
-            *out_low++ = (uint8_t)acc;
+        if (bit >> 6 != current) {
+            store_word(out_high + 8 * current, word, high_bytes - 8 * current);
+            current = bit >> 6, word = 0;
+        }
+        word |= 1ull << (bit & 63);
+        if (low <= 32) { /* held < 32 before, so acc never overflows */
+            acc |= ((uint64_t)v & mask) << held;
+            held += low;
+            if (held >= 32) {
+                store_word(out_low + at, acc, 4);
+                at += 4, acc >>= 32, held -= 32;
+            }
+        } else {
+            for (int b = 0; b < low; b++, held++) {
+                acc |= ((uint64_t)v >> b & 1) << held;
+                if (held == 63) {
+                    store_word(out_low + at, acc, 8);
+                    at += 8, acc = 0, held = -1;
+                }
+            }
+        }
     }
-    if (held)
-        *out_low = (uint8_t)acc;
-    (void)high_bits;
+    if (count)
+        store_word(out_high + 8 * current, word, high_bytes - 8 * current);
+    if (held > 0)
+        store_word(out_low + at, acc, low_bytes - at);
     return 1;
 }
 
 ALWAYS_INLINE uint64_t load_bits64(const uint8_t *p, Py_ssize_t available)
 {
     uint64_t v = 0;
-    if (available >= 8)
-        memcpy(&v, p, 8); /* little-endian: the byte order of the packed bits */
+    if (available >= 8) /* little-endian: the packed order */
+        memcpy(&v, p, 8);
     else
         for (Py_ssize_t b = 0; b < available; b++)
             v |= (uint64_t)p[b] << (8 * b);
     return v;
+}
+
+/* ±s as the sign code decodes it, (bit ? 1 : -1) · s, without a branch: for a finite s >= 0
+ * the product is s with its sign bit cleared or set, so the same bits. */
+ALWAYS_INLINE float signed_scale(unsigned bit, float s)
+{
+    uint32_t u;
+    memcpy(&u, &s, sizeof u);
+    u ^= (uint32_t)(~bit & 1u) << 31;
+    memcpy(&s, &u, sizeof s);
+    return s;
 }
 
 /* The inverse: 0 with count indices in idx; 1 when the first high_bits bits of the high part
@@ -554,30 +696,33 @@ static int elias_fano_decode_all(const uint8_t *raw_low, Py_ssize_t low_bytes, c
 {
     Py_ssize_t ones = 0, high_bytes = (high_bits + 7) / 8;
     uint64_t mask = (1ull << low) - 1;
+    int increasing = 1;
+    int64_t last = -1;
     for (Py_ssize_t w = 0; w * 64 < high_bits; w++) {
         uint64_t word = load_bits64(raw_high + 8 * w, high_bytes - 8 * w);
         if (high_bits - w * 64 < 64)
             word &= (1ull << (high_bits - w * 64)) - 1;
-        while (word) {
-            if (ones < count) {
-                Py_ssize_t bit = w * 64 + __builtin_ctzll(word);
-                Py_ssize_t at = ones * low;
-                uint64_t l = low ? load_bits64(raw_low + at / 8, low_bytes - at / 8) >> (at % 8) & mask : 0;
-                idx[ones] = ((int64_t)(bit - ones) << low) | (int64_t)l;
-            }
-            ones++;
-            word &= word - 1;
+        Py_ssize_t here = __builtin_popcountll(word);
+        if (ones + here > count) { /* too many ones: count them all, decode nothing more */
+            ones += here;
+            continue;
+        }
+        for (; word; word &= word - 1, ones++) {
+            Py_ssize_t bit = w * 64 + __builtin_ctzll(word), at = ones * low;
+            uint64_t l = low ? load_bits64(raw_low + at / 8, low_bytes - at / 8) >> (at % 8) & mask : 0;
+            int64_t v = ((int64_t)(bit - ones) << low) | (int64_t)l;
+            increasing &= v > last;
+            idx[ones] = last = v;
         }
     }
     if (ones != count) {
         *detail = ones;
         return 1;
     }
-    for (Py_ssize_t i = 1; i < count; i++)
-        if (idx[i] <= idx[i - 1])
-            return 2;
-    if (count && idx[count - 1] >= universe) {
-        *detail = idx[count - 1];
+    if (!increasing)
+        return 2;
+    if (count && last >= universe) {
+        *detail = last;
         return 3;
     }
     return 0;
@@ -624,65 +769,89 @@ static Py_ssize_t pow2_at_least(Py_ssize_t n)
 
 /* The sign code (levels.py, "sign"): per block of `block` values its mean magnitude s (fp32 of
  * the double mean), and per value one bit, set when v · (1 / s) > 0 (all clear when s is 0),
- * packed LSB first after the scales. 1, or 0 when v holds a NaN or an Inf. */
+ * packed LSB first after the scales, 64 bits at a time. 1, or 0 when v holds a NaN or an Inf. */
 WIDEST_SIMD
 static int sign_encode_all(const float *v, Py_ssize_t count, Py_ssize_t block, float *scales, uint8_t *bits)
 {
-    Py_ssize_t width = pow2_at_least(block);
-    memset(bits, 0, (size_t)(count + 7) / 8);
+    Py_ssize_t width = pow2_at_least(block), bytes = (count + 7) / 8;
     if (block_absmax_bits(v, count) >= INF_BITS)
         return 0;
+    uint64_t word = 0;
     for (Py_ssize_t start = 0, b = 0; start < count; start += block, b++) {
         Py_ssize_t m = count - start < block ? count - start : block;
         float s = (float)(tree_abs_sum(v + start, m, width) / (double)m);
         float inv = s > 0.0f ? 1.0f / s : 0.0f;
         scales[b] = s;
-        for (Py_ssize_t i = start; i < start + m; i++)
-            bits[i >> 3] |= (uint8_t)((v[i] * inv > 0.0f) << (i & 7));
+        for (Py_ssize_t i = start; i < start + m; i++) {
+            word |= (uint64_t)(v[i] * inv > 0.0f) << (i & 63);
+            if ((i & 63) == 63) {
+                store_word(bits + i / 64 * 8, word, 8);
+                word = 0;
+            }
+        }
     }
+    if (count & 63)
+        store_word(bits + count / 64 * 8, word, bytes - count / 64 * 8);
     return 1;
 }
 
-/* The sign code's values, ±s of their block, into out[i] (or out[idx[i]] where idx is given,
- * each below n). 1, or 0 when a scale is negative or not finite, or an index is out of range
- * (out then partly written). */
+#define SCATTER_TILE 8192 /* elements zeroed (or copied) and then written while in L1 */
+
+/* The sign code's count values, ±s of their block: into out[i] (n == count), or, where idx is
+ * given (increasing, each below n), into out[idx[i]] with every other element of out zeroed,
+ * tile by tile so that each line is written while in cache. 1, or 0 when a scale is negative or
+ * not finite, or the indices are not increasing within [0, n) (out then undefined). */
 WIDEST_SIMD
 static int sign_decode_all(const float *scales, const uint8_t *bits, Py_ssize_t count, Py_ssize_t block,
                            const int64_t *idx, float *out, Py_ssize_t n)
 {
-    for (Py_ssize_t start = 0, b = 0; start < count; start += block, b++) {
-        float s = scales[b];
-        if (!(s >= 0.0f && s <= 3.40282346638528859812e+38f))
+    Py_ssize_t nb = (count + block - 1) / block;
+    for (Py_ssize_t b = 0; b < nb; b++)
+        if (!(scales[b] >= 0.0f && scales[b] <= 3.40282346638528859812e+38f))
             return 0;
-        Py_ssize_t end = count - start < block ? count : start + block;
-        if (idx) {
-            for (Py_ssize_t i = start; i < end; i++) {
-                int64_t at = idx[i];
-                if (at < 0 || at >= n)
-                    return 0;
-                out[at] = (bits[i >> 3] >> (i & 7) & 1 ? 1.0f : -1.0f) * s;
-            }
-        } else {
-            for (Py_ssize_t i = start; i < end; i++)
-                out[i] = (bits[i >> 3] >> (i & 7) & 1 ? 1.0f : -1.0f) * s;
+    if (!idx) {
+        for (Py_ssize_t i = 0; i < count; i++)
+            out[i] = signed_scale(bits[i >> 3] >> (i & 7), scales[i / block]);
+        return 1;
+    }
+    Py_ssize_t j = 0, b = 0, left = block; /* value j, its block, values left in that block */
+    int64_t last = -1;
+    for (Py_ssize_t start = 0; start < n; start += SCATTER_TILE) {
+        Py_ssize_t end = n - start < SCATTER_TILE ? n : start + SCATTER_TILE;
+        memset(out + start, 0, (size_t)(end - start) * sizeof *out);
+        for (; j < count && idx[j] < end; j++) {
+            if (idx[j] <= last)
+                return 0;
+            last = idx[j];
+            out[last] = signed_scale(bits[j >> 3] >> (j & 7), scales[b]);
+            if (!--left)
+                b++, left = block;
         }
     }
-    return 1;
+    return j == count;
 }
 
-/* residual = x - decoded, for decoded zero but at idx (values dec): x copied, then the kept
- * elements set to x - dec, the same bits as the dense subtraction (x - 0 is x). */
+/* residual = x - decoded, for decoded zero but dec[i] at idx[i] (increasing, each below n): x
+ * copied (unless residual is x) and the kept elements set to x - dec, tile by tile; the same bits
+ * as the dense subtraction (x - 0 is x). 1, or 0 when the indices are not increasing in [0, n)
+ * (residual then undefined). */
 static int sparse_residual_all(const float *x, Py_ssize_t n, const int64_t *idx, const float *dec, Py_ssize_t count,
                                float *residual)
 {
-    for (Py_ssize_t i = 0; i < count; i++)
-        if (idx[i] < 0 || idx[i] >= n)
-            return 0;
-    if (residual != x)
-        memcpy(residual, x, (size_t)n * sizeof(float));
-    for (Py_ssize_t i = 0; i < count; i++)
-        residual[idx[i]] = x[idx[i]] - dec[i];
-    return 1;
+    Py_ssize_t j = 0;
+    int64_t last = -1;
+    for (Py_ssize_t start = 0; start < n; start += SCATTER_TILE) {
+        Py_ssize_t end = n - start < SCATTER_TILE ? n : start + SCATTER_TILE;
+        if (residual != x)
+            memcpy(residual + start, x + start, (size_t)(end - start) * sizeof *x);
+        for (; j < count && idx[j] < end; j++) {
+            if (idx[j] <= last)
+                return 0;
+            last = idx[j];
+            residual[last] = x[last] - dec[j];
+        }
+    }
+    return j == count;
 }
 
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what)
@@ -1081,19 +1250,20 @@ static Py_ssize_t topk_count(Py_ssize_t numel, Py_ssize_t block, Py_ssize_t k)
 }
 
 PyDoc_STRVAR(topk_doc,
-             "topk(x, block, k, indices, values) -> bool\n\n"
+             "topk(x, block, k, indices, values, portable=False) -> bool\n\n"
              "Per block of block elements of the fp32 buffer x (the last may be shorter), the k\n"
              "largest magnitudes (all of a block of k or fewer), ties at the k-th going to the\n"
              "lowest positions: their positions in x into the int64 buffer indices and their values\n"
              "into the fp32 buffer values, in order. False, outputs undefined, when x holds a NaN\n"
-             "or an Inf.");
+             "or an Inf. portable: without AVX-512 even where the CPU has it (the same result).");
 
 static PyObject *topk(PyObject *self, PyObject *args)
 {
     PyObject *objs[3];
     Py_ssize_t block, k;
+    int portable = 0;
     Py_buffer views[3]; /* x, indices, values */
-    if (!PyArg_ParseTuple(args, "OnnOO", &objs[0], &block, &k, &objs[1], &objs[2]))
+    if (!PyArg_ParseTuple(args, "OnnOO|p", &objs[0], &block, &k, &objs[1], &objs[2], &portable))
         return NULL;
     if (block < 1 || block > TOPK_MAX_BLOCK || k < 1) {
         PyErr_SetString(PyExc_ValueError, "topk: block must be in [1, 2^31) and k >= 1");
@@ -1107,20 +1277,22 @@ static PyObject *topk(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "topk: indices and values must hold the kept count (int64, fp32)");
         return finish(views, -1);
     }
-    Py_ssize_t scratch = (block < numel ? block : numel) + 1;
+    Py_ssize_t scratch = (block < numel ? block : numel) + LANES, kept = (k < scratch ? k : scratch) + LANES;
     int32_t *pos = PyMem_RawMalloc((size_t)scratch * sizeof(int32_t));
     int32_t *mag = PyMem_RawMalloc((size_t)scratch * sizeof(int32_t));
+    float *kval = PyMem_RawMalloc((size_t)kept * sizeof(float));
     int finite = -1;
-    if (pos && mag) {
+    if (pos && mag && kval) {
         Py_BEGIN_ALLOW_THREADS
-        finite = topk_blocks((const float *)views[0].buf, numel, block, k, pos, mag, (int64_t *)views[1].buf,
-                             (float *)views[2].buf);
+        finite = topk_blocks((const float *)views[0].buf, numel, block, k, portable, pos, mag, kval,
+                             (int64_t *)views[1].buf, (float *)views[2].buf);
         Py_END_ALLOW_THREADS
     } else {
         PyErr_NoMemory();
     }
     PyMem_RawFree(pos);
     PyMem_RawFree(mag);
+    PyMem_RawFree(kval);
     return finish(views, finite);
 }
 
@@ -1171,8 +1343,8 @@ static PyObject *elias_fano_encode(PyObject *self, PyObject *args)
     int valid;
     Py_BEGIN_ALLOW_THREADS
     memset(out, 0, (size_t)views[1].len);
-    valid = elias_fano_encode_all((const int64_t *)views[0].buf, count, universe, low, out, out + low_bytes,
-                                  high_bits);
+    valid = elias_fano_encode_all((const int64_t *)views[0].buf, count, universe, low, out, low_bytes,
+                                  out + low_bytes, views[1].len - low_bytes);
     Py_END_ALLOW_THREADS
     return finish(views, valid);
 }
@@ -1250,10 +1422,10 @@ static PyObject *sign_encode(PyObject *self, PyObject *args)
 
 PyDoc_STRVAR(sign_decode_doc,
              "sign_decode(raw, count, block, out, indices) -> bool\n\n"
-             "The count values of the sign code raw (sign_encode's layout) into the fp32 buffer out,\n"
-             "value i at out[i], or at out[indices[i]] where the int64 buffer indices is given (out\n"
-             "is then left as it is elsewhere). False, out partly written, when a scale is negative\n"
-             "or not finite, or an index is outside out.");
+             "The count values of the sign code raw (sign_encode's layout) into the fp32 buffer out:\n"
+             "value i at out[i], or, where the int64 buffer indices is given, at out[indices[i]] and\n"
+             "zero elsewhere. False, out undefined, when a scale is negative or not finite, or the\n"
+             "indices are not strictly increasing within out.");
 
 static PyObject *sign_decode(PyObject *self, PyObject *args)
 {
@@ -1295,8 +1467,8 @@ static PyObject *sign_decode(PyObject *self, PyObject *args)
 PyDoc_STRVAR(sparse_residual_doc,
              "sparse_residual(x, indices, decoded, residual) -> bool\n\n"
              "residual = x - (zeros but decoded at indices), for fp32 x and residual of one length\n"
-             "(residual may be x itself), int64 indices and fp32 decoded of one length. False,\n"
-             "nothing written, when an index is outside x.");
+             "(residual may be x itself), int64 indices (strictly increasing) and fp32 decoded of one\n"
+             "length. False, residual undefined, when the indices are not increasing within x.");
 
 static PyObject *sparse_residual(PyObject *self, PyObject *args)
 {
@@ -1350,5 +1522,9 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__kernels(void)
 {
+#ifdef HAVE_AVX512_PATH
+    __builtin_cpu_init();
+    avx512_ready = __builtin_cpu_supports("avx512f");
+#endif
     return PyModule_Create(&module);
 }

@@ -112,7 +112,12 @@ class LevelQuantizer:
     @property
     def fused(self) -> bool:
         """Whether the C kernels code this codec on the host (the sign code)."""
-        return _kernels is not None and self.scale == "mean_abs" and self.bits == 1 and self.levels == SIGN_LEVELS
+        return (
+            _kernels is not None
+            and self.scale == "mean_abs"
+            and self.bits == 1
+            and self.levels == SIGN_LEVELS
+        )
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and x.device.type == "cpu" and x.dtype == torch.float32:
@@ -182,12 +187,14 @@ class LevelQuantizer:
         return (as_blocks(values, self.block) * scale[:, None]).view(-1)[:numel].contiguous()
 
     def scatter(self, raw: torch.Tensor, kept: torch.Tensor | None, out: torch.Tensor) -> bool:
-        """``out[kept]`` = :meth:`decode`'s values (``out`` itself where ``kept`` is None; the
-        contiguous host fp32 ``out`` is left as it is elsewhere) in one C pass over the codes, for
-        the sign code: the same values. False, nothing written, where the kernel does not apply.
+        """``out`` = :meth:`decode`'s values, or where ``kept`` (increasing indices) is given, zeros
+        but those values at ``kept``: one C pass over the codes and the contiguous host fp32
+        ``out``, for the sign code. False, nothing written, where the kernel does not apply.
         Refuses what :meth:`decode` refuses."""
         numel = out.numel() if kept is None else kept.numel()
-        if not (self.fused and out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()):
+        if not (
+            self.fused and out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
+        ):
             return False
         if raw.numel() != self.encoded_size(numel):
             raise CodecError(f"{self.spec}: {raw.numel()} bytes, expected {self.encoded_size(numel)}")

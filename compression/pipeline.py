@@ -391,9 +391,10 @@ class Pipeline:
             split = self.sparsifier.index_size(numel)
             kept = indices.decode(raw[:split], numel, self.sparsifier.count(numel))
             raw = raw[split:]
-        out = torch.zeros(numel, dtype=torch.float32)
-        if not (isinstance(self.values, LevelQuantizer) and self.values.scatter(raw, kept, out)):
-            out[kept] = self.values.decode(raw, kept.numel())
+        out = torch.empty(numel, dtype=torch.float32)
+        if isinstance(self.values, LevelQuantizer) and self.values.scatter(raw, kept, out):
+            return out  # zeros but the kept values, in one pass
+        out.zero_()[kept] = self.values.decode(raw, kept.numel())
         return out
 
     def _join_nibbles(
@@ -423,7 +424,9 @@ class Pipeline:
         raw, prefix = self._raw_of(host, place)
         return self._seal(raw, host.numel(), prefix), raw
 
-    def encode_with_residual(self, x: torch.Tensor, residual: torch.Tensor, place: Place | None = None) -> bytes:
+    def encode_with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor, place: Place | None = None
+    ) -> bytes:
         """The frame of ``x``, and ``residual`` = x − the values every receiver decodes from it
         (error feedback's record), written in place. Top-k on the host copies ``x`` and corrects
         the kept elements (:meth:`~.sparsify.TopK.residual`) where :meth:`roundtrip` would write

@@ -72,11 +72,18 @@ class TopK:
         if numel == 0:
             return torch.zeros(0, dtype=torch.int64, device=x.device), x[:0]
         block = self.block or numel  # per tensor: one block of the whole
-        if _kernels is not None and x.device.type == "cpu" and x.dtype == torch.float32 and block < KERNEL_BLOCK:
+        if (
+            _kernels is not None
+            and x.device.type == "cpu"
+            and x.dtype == torch.float32
+            and block < KERNEL_BLOCK
+        ):
             k = self.count(numel)
             kept = torch.empty(k, dtype=torch.int64, device=x.device)
             values = torch.empty(k, dtype=torch.float32, device=x.device)
-            if not _kernels.topk(x.contiguous().numpy(), block, self._per_block(block), kept.numpy(), values.numpy()):
+            if not _kernels.topk(
+                x.contiguous().numpy(), block, self._per_block(block), kept.numpy(), values.numpy()
+            ):
                 raise CodecError("tensor contains NaN or Inf")
             return kept, values
         kept = self._select_torch(x, block)
@@ -90,7 +97,9 @@ class TopK:
             raise ValueError(f"residual has {out.numel()} elements, the tensor {x.numel()}")
         if _kernels is not None and out.is_contiguous() and decoded.dtype == torch.float32:
             src = x.contiguous()
-            if not _kernels.sparse_residual(src.numpy(), kept.numpy(), decoded.contiguous().numpy(), out.numpy()):
+            if not _kernels.sparse_residual(
+                src.numpy(), kept.numpy(), decoded.contiguous().numpy(), out.numpy()
+            ):
                 raise CodecError("residual: a kept index is outside the tensor")
             return
         out.copy_(x)

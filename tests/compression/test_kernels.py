@@ -1,4 +1,5 @@
-"""The fused C kernels for int8 give exactly the torch path's bytes and values, and refuse bad input."""
+"""The fused C kernels (int8; top-k, Elias-Fano and the sign code below one bit) give exactly the
+torch path's bytes and values, and refuse bad input."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from geodiloco.compression import CodecError, Place, parse_pipeline, quantize
+from geodiloco.compression import CodecError, Place, indices, levels, parse_pipeline, quantize, sparsify
 from geodiloco.compression.quantize import BlockwiseAbsmax
 from geodiloco.segment import Segment
 from tests.compression.codec_strategies import tensors
+from tests.helpers import same_bits
 
 
 @pytest.fixture
@@ -212,3 +214,157 @@ def test_applying_refuses_a_code_off_the_grid_and_mismatched_sizes() -> None:
     with pytest.raises(CodecError, match="-128"):
         pipeline.apply_raw(raw, theta, 0)
     assert torch.equal(theta, before)
+
+
+# ---- below one bit: top-k, Elias-Fano, the sign code -------------------------------------------
+
+SPARSE_MODULES = (sparsify, indices, levels)
+SPARSE_SPECS = [
+    "topk:0.065:4096|sign:256",
+    "topk:0.03:4096|sign:256",
+    "topk:0.1:100|sign:7",
+    "topk:0.5:3|sign:1",
+    "topk:0.02|sign:4096",
+    "topk:0.1:256|q2",
+    "topk:0.05|fp32",
+    "sign:256",
+    "sign:5",
+]
+
+
+def _sparse_torch_paths() -> list[object]:
+    kept = [m._kernels for m in SPARSE_MODULES]
+    for m in SPARSE_MODULES:
+        m._kernels = None  # type: ignore[assignment]
+    return kept
+
+
+def _sparse_kernels(kept: list[object]) -> None:
+    for m, k in zip(SPARSE_MODULES, kept, strict=True):
+        m._kernels = k  # type: ignore[assignment]
+
+
+def _adversarial(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Ties (few distinct magnitudes), zeros of both signs, denormals, or x as it is."""
+    if kind == "ties":
+        return (x * 2).round().clamp(-3, 3)
+    if kind == "zeros":
+        return torch.where(torch.arange(x.numel()) % 3 == 0, -0.0, x * (x.abs() > 1))
+    if kind == "denormal":
+        return x * 1e-40
+    return x
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    x=tensors(),
+    kind=st.sampled_from(["as is", "ties", "zeros", "denormal"]),
+    spec=st.sampled_from(SPARSE_SPECS),
+)
+def test_sparse_kernels_give_the_torch_paths_bytes_and_values(x: torch.Tensor, kind: str, spec: str) -> None:
+    """Frames and decoded values bit for bit, for blocks that do and do not divide the tensor."""
+    x = _adversarial(x, kind)
+    pipeline = parse_pipeline(spec)
+    fused = pipeline.encode(x)
+    decoded = pipeline.decode(fused, x.numel())
+    kept = _sparse_torch_paths()
+    try:
+        assert pipeline.encode(x) == fused
+        assert same_bits(pipeline.decode(fused, x.numel()), decoded)
+    finally:
+        _sparse_kernels(kept)
+
+
+@pytest.mark.parametrize("block", [1, 5, 16, 100, 4096, 0])
+@pytest.mark.parametrize("kind", ["as is", "ties", "zeros", "denormal"])
+def test_the_avx512_and_portable_selections_agree(block: int, kind: str) -> None:
+    """Where the CPU has AVX-512 the kernel selects with it; the portable path (any other CPU)
+    keeps the same elements, and so does the torch path."""
+    x = _adversarial(torch.randn(10_007, generator=torch.Generator().manual_seed(block)), kind)
+    topk = sparsify.TopK(0.07, block)
+    size = block or x.numel()
+    k = topk._per_block(size)
+    results = []
+    for portable in (False, True):
+        kept, values = (
+            torch.empty(topk.count(x.numel()), dtype=torch.int64),
+            torch.empty(topk.count(x.numel())),
+        )
+        assert sparsify._kernels.topk(x.numpy(), size, k, kept.numpy(), values.numpy(), portable)
+        results.append((kept, values))
+    reference = topk._select_torch(x, size)
+    for kept, values in results:
+        assert torch.equal(kept, reference) and same_bits(values, x[reference])
+
+
+def test_ties_at_the_threshold_go_to_the_lowest_positions() -> None:
+    """Equal magnitudes, either sign: the first ones of each block are kept."""
+    x = torch.tensor([1.0, -2.0, 2.0, -2.0, 2.0, 0.5, -0.5, 0.5, 0.5, -0.5])
+    for topk_block, expected in ((5, [1, 2, 5, 6]), (0, [1, 2, 3, 4])):
+        topk = sparsify.TopK(0.4, topk_block)
+        assert topk.select(x).tolist() == expected
+        assert topk._select_torch(x, topk_block or x.numel()).tolist() == expected
+
+
+@pytest.mark.parametrize("spec", ["topk:0.1:256|sign:256", "topk:0.1|sign", "sign:64"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_the_sparse_kernels_refuse_non_finite_input(spec: str, bad: float) -> None:
+    x = torch.randn(5000)
+    x[4321] = bad
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        parse_pipeline(spec).encode(x)
+
+
+def test_elias_fano_kernel_refuses_what_the_torch_decoder_refuses() -> None:
+    """Too many or too few entries, indices not increasing, an index past the universe: the same
+    error from both decoders."""
+    universe, count = 1000, 6
+    raw = indices.encode(torch.tensor([3, 10, 11, 500, 998, 999]), universe)
+    low_bytes = 6  # 7 low bits each, 42 bits; then the high part, 14 bits
+    too_many = raw.clone()
+    too_many[low_bytes] |= 0x80
+    equal_low = raw.clone()  # 10 and 11 share their high part; 11's low bits (from bit 14) made 10
+    equal_low[1] &= 0xBF
+    past = indices.encode(torch.tensor([3, 10, 11, 500, 998, 999]), 1024)  # same layout as 1000
+    for bad, universe_of, message in (
+        (too_many, universe, "entries in the high part"),
+        (equal_low, universe, "not strictly increasing"),
+        (past, 1000 - 1, "outside"),
+    ):
+        errors = []
+        for use_kernels in (True, False):
+            kept = None if use_kernels else _sparse_torch_paths()
+            try:
+                with pytest.raises(CodecError, match=message) as caught:
+                    indices.decode(bad, universe_of, count)
+                errors.append(str(caught.value))
+            finally:
+                if kept is not None:
+                    _sparse_kernels(kept)
+        assert errors[0] == errors[1]
+    with pytest.raises(CodecError, match="not strictly increasing"):
+        indices.encode(torch.tensor([5, 5]), 10)
+
+
+def test_the_sign_kernel_refuses_a_bad_scale() -> None:
+    codec = parse_pipeline("sign:4").values
+    raw = codec.encode(torch.randn(10))
+    for scale in (float("nan"), -1.0, float("inf")):
+        bad = raw.clone()
+        bad[:4] = torch.tensor([scale]).view(torch.uint8)
+        with pytest.raises(CodecError, match="block scale"):
+            codec.decode(bad, 10)
+
+
+@pytest.mark.parametrize("spec", ["topk:0.065:4096|sign:256", "topk:0.1:256|q2", "topk:0.05|fp32", "q8"])
+def test_the_residual_without_a_dense_decode_is_x_minus_what_receivers_decode(spec: str) -> None:
+    """Error feedback's record: encode_with_residual writes x − decoded, the same bits as the
+    roundtrip's dense decoded tensor subtracted from x."""
+    x = torch.randn(20_000, generator=torch.Generator().manual_seed(3))
+    x[::7] = -0.0
+    pipeline = parse_pipeline(spec)
+    residual = torch.full_like(x, float("nan"))
+    data = pipeline.encode_with_residual(x, residual)
+    expected, back = pipeline.roundtrip(x)
+    assert data == expected
+    assert same_bits(residual, x - back)
