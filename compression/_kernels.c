@@ -428,11 +428,18 @@ ALWAYS_INLINE Bracket bracket(const float *x, Py_ssize_t n, Py_ssize_t k, Bracke
     return b;
 }
 
-/* Bisect the bracket by counting over the c gathered magnitudes (those >= lo) until it is final. */
+/* Narrow the bracket by counting over the c gathered magnitudes (those >= lo) until it is final:
+ * the count falls about linearly in the bit pattern across a narrow bracket, so each step
+ * interpolates for k, and every other step bisects, which bounds the steps at twice bisection's. */
 ALWAYS_INLINE Bracket narrow(const int32_t *mag, Py_ssize_t c, Py_ssize_t k, Bracket b)
 {
-    while (b.at_lo != k && b.hi - b.lo > 1) {
+    for (int bisect = 0; b.at_lo != k && b.hi - b.lo > 1; bisect = !bisect) {
         int64_t g = b.lo + (b.hi - b.lo) / 2;
+        if (!bisect) {
+            double share = ((double)(b.at_lo - k) + 0.5) / (double)(b.at_lo - b.at_hi);
+            g = b.lo + (int64_t)(share * (double)(b.hi - b.lo));
+            g = g <= b.lo ? b.lo + 1 : g >= b.hi ? b.hi - 1 : g;
+        }
         Py_ssize_t at = count_mags_at_least(mag, c, (int32_t)g);
         if (at >= k)
             b.lo = g, b.at_lo = at;
@@ -492,28 +499,60 @@ __attribute__((target("avx512f"))) static inline __mmask16 kept_lanes(__m512i m,
     return above | between;
 }
 
-/* The same with AVX-512 compress: the magnitudes >= lo gathered 16 at a time, and the kept
- * elements' values and positions in the block (int32; topk_blocks widens them) emitted 16 at a
- * time from the whole block. mag, pos and val have LANES entries of slack past what they keep
- * (a compressed vector is stored whole). Where every element in [lo, hi) is kept (the usual
- * case: exactly k at or above lo), one comparison a vector decides. */
-__attribute__((target("avx512f"))) static Bracket keep_avx512(const float *x, Py_ssize_t n, Py_ssize_t k, Bracket b,
-                                                             int32_t *mag, int32_t *pos, float *val)
+/* The same with AVX-512 compress, the whole block: its first pass takes the largest magnitude,
+ * counts those >= the guess (the previous block's threshold, lowered a little) and gathers them,
+ * so that where that count is between k and 2k + TOPK_SPARE (usually) no other pass over the
+ * block is needed before the emitting one; elsewhere counting passes bracket and gather again.
+ * The emitting pass writes the kept elements' values and positions in the block (int32;
+ * topk_blocks widens them) 16 at a time; where every element in [lo, hi) is kept (the usual
+ * case: exactly k at or above lo), one comparison a vector decides. mag, pos and val have LANES
+ * entries of slack past what they keep (a compressed vector is stored whole). 0 when the block
+ * holds a NaN or an Inf; else 1, with *guess set for the next block. */
+__attribute__((target("avx512f"))) static int block_avx512(const float *x, Py_ssize_t n, Py_ssize_t k, int64_t *guess,
+                                                          int32_t *mag, int32_t *pos, float *val)
 {
     const __m512i abs_mask = _mm512_set1_epi32((int)ABS_MASK);
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i step = _mm512_set1_epi32(LANES);
     Py_ssize_t full = n - n % LANES, c = 0;
-    __m512i lo = _mm512_set1_epi32((int32_t)b.lo);
+    int32_t g = *guess > 0 ? (int32_t)*guess : INT32_MAX;
+    __m512i lo = _mm512_set1_epi32(g), most = _mm512_setzero_si512();
     for (Py_ssize_t i = 0; i < full; i += LANES) {
         __m512i m = _mm512_and_si512(_mm512_loadu_si512(x + i), abs_mask);
+        most = _mm512_max_epi32(most, m);
         __mmask16 at = _mm512_cmpge_epi32_mask(m, lo);
         _mm512_storeu_si512(mag + c, _mm512_maskz_compress_epi32(at, m));
         c += __builtin_popcount(at);
     }
+    int32_t top = _mm512_reduce_max_epi32(most);
     for (Py_ssize_t i = full; i < n; i++) {
         mag[c] = magnitude(x[i]);
-        c += mag[c] >= (int32_t)b.lo;
+        top = mag[c] > top ? mag[c] : top;
+        c += mag[c] >= g;
+    }
+    if ((uint32_t)top >= INF_BITS)
+        return 0;
+    Bracket b = {0, (int64_t)top + 1, n, 0};
+    if (g <= top) {
+        if (c >= k)
+            b.lo = g, b.at_lo = c;
+        else
+            b.hi = g, b.at_hi = c;
+    }
+    if (b.lo != g || c > 2 * k + TOPK_SPARE) { /* the gathered ones will not do */
+        b = bracket(x, n, k, b, (int64_t)top - (1 << 23));
+        lo = _mm512_set1_epi32((int32_t)b.lo);
+        c = 0;
+        for (Py_ssize_t i = 0; i < full; i += LANES) {
+            __m512i m = _mm512_and_si512(_mm512_loadu_si512(x + i), abs_mask);
+            __mmask16 at = _mm512_cmpge_epi32_mask(m, lo);
+            _mm512_storeu_si512(mag + c, _mm512_maskz_compress_epi32(at, m));
+            c += __builtin_popcount(at);
+        }
+        for (Py_ssize_t i = full; i < n; i++) {
+            mag[c] = magnitude(x[i]);
+            c += mag[c] >= (int32_t)b.lo;
+        }
     }
     b = narrow(mag, c, k, b);
     lo = _mm512_set1_epi32((int32_t)b.lo);
@@ -543,10 +582,11 @@ __attribute__((target("avx512f"))) static Bracket keep_avx512(const float *x, Py
         _mm512_storeu_ps(val + o, _mm512_maskz_compress_ps(keep, v));
         _mm512_storeu_si512(pos + o, _mm512_maskz_compress_epi32(keep, at));
     }
-    return b;
+    *guess = b.lo - (1 << 20);
+    return 1;
 }
 
-static int avx512_ready = -1; /* whether this CPU runs keep_avx512 (set at module load) */
+static int avx512_ready = -1; /* whether this CPU runs block_avx512 (set at module load) */
 #endif
 
 /* The magnitudes' largest pattern, and how many are >= t, in one pass. */
@@ -576,11 +616,9 @@ static int topk_blocks(const float *x, Py_ssize_t numel, Py_ssize_t block, Py_ss
     for (Py_ssize_t start = 0; start < numel; start += block) {
         Py_ssize_t n = numel - start < block ? numel - start : block;
         const float *b = x + start;
-        uint32_t top;
-        Py_ssize_t at_guess = top_and_count(b, n, guess > 0 ? (int32_t)guess : INT32_MAX, &top);
-        if (top >= INF_BITS)
-            return 0;
         if (k >= n) {
+            if (block_absmax_bits(b, n) >= INF_BITS)
+                return 0;
             for (Py_ssize_t i = 0; i < n; i++) {
                 idx[out + i] = start + i;
                 val[out + i] = b[i];
@@ -588,6 +626,21 @@ static int topk_blocks(const float *x, Py_ssize_t numel, Py_ssize_t block, Py_ss
             out += n;
             continue;
         }
+#ifdef HAVE_AVX512_PATH
+        if (avx512_ready && !portable) {
+            if (!block_avx512(b, n, k, &guess, mag, pos, kval))
+                return 0;
+            for (Py_ssize_t j = 0; j < k; j++)
+                idx[out + j] = start + pos[j];
+            memcpy(val + out, kval, (size_t)k * sizeof *val);
+            out += k;
+            continue;
+        }
+#endif
+        uint32_t top;
+        Py_ssize_t at_guess = top_and_count(b, n, guess > 0 ? (int32_t)guess : INT32_MAX, &top);
+        if (top >= INF_BITS)
+            return 0;
         Bracket br = {0, (int64_t)top + 1, n, 0};
         if (guess > 0 && guess <= (int64_t)top) { /* the first count, made with the maximum */
             if (at_guess >= k)
@@ -596,15 +649,7 @@ static int topk_blocks(const float *x, Py_ssize_t numel, Py_ssize_t block, Py_ss
                 br.hi = guess, br.at_hi = at_guess;
         }
         br = bracket(b, n, k, br, (int64_t)top - (1 << 23));
-#ifdef HAVE_AVX512_PATH
-        if (avx512_ready && !portable) {
-            br = keep_avx512(b, n, k, br, mag, pos, kval);
-            for (Py_ssize_t j = 0; j < k; j++)
-                idx[out + j] = start + pos[j];
-            memcpy(val + out, kval, (size_t)k * sizeof *val);
-        } else
-#endif
-            br = keep_portable(b, n, k, br, start, pos, mag, idx + out, val + out);
+        br = keep_portable(b, n, k, br, start, pos, mag, idx + out, val + out);
         out += k;
         guess = br.lo - (1 << 20);
     }
@@ -810,8 +855,11 @@ static int sign_decode_all(const float *scales, const uint8_t *bits, Py_ssize_t 
         if (!(scales[b] >= 0.0f && scales[b] <= 3.40282346638528859812e+38f))
             return 0;
     if (!idx) {
-        for (Py_ssize_t i = 0; i < count; i++)
-            out[i] = signed_scale(bits[i >> 3] >> (i & 7), scales[i / block]);
+        for (Py_ssize_t start = 0, b = 0; start < count; start += block, b++) {
+            Py_ssize_t end = count - start < block ? count : start + block;
+            for (Py_ssize_t i = start; i < end; i++)
+                out[i] = signed_scale(bits[i >> 3] >> (i & 7), scales[b]);
+        }
         return 1;
     }
     Py_ssize_t j = 0, b = 0, left = block; /* value j, its block, values left in that block */
