@@ -370,6 +370,7 @@ static int apply_q8_span(float *theta, const float *step, const int8_t *codes, P
 #endif
 
 #define TOPK_SPARE 32
+#define PROBE (1 << 21) /* a step in the bit pattern of about 19% in magnitude */
 #define TOPK_MAX_BLOCK 0x7fffffffLL /* positions within a block are int32 */
 #define LANES 16                    /* fp32 lanes of an AVX-512 vector: the scratch's slack */
 
@@ -503,13 +504,14 @@ __attribute__((target("avx512f"))) static inline __mmask16 kept_lanes(__m512i m,
  * counts those >= the guess (the previous block's threshold, lowered a little) and gathers them,
  * so that where that count is between k and 2k + TOPK_SPARE (usually) no other pass over the
  * block is needed before the emitting one; elsewhere counting passes bracket and gather again.
- * The emitting pass writes the kept elements' values and positions in the block (int32;
- * topk_blocks widens them) 16 at a time; where every element in [lo, hi) is kept (the usual
- * case: exactly k at or above lo), one comparison a vector decides. mag, pos and val have LANES
- * entries of slack past what they keep (a compressed vector is stored whole). 0 when the block
- * holds a NaN or an Inf; else 1, with *guess set for the next block. */
+ * The emitting pass writes the kept elements' positions in the block 16 at a time (where every
+ * element in [lo, hi) is kept, the usual case, one comparison a vector decides); a last pass
+ * over those k writes their indices (base + position) to idx and gathers their values to val.
+ * mag and pos have LANES entries of slack past what they keep (a compressed vector is stored
+ * whole). 0 when the block holds a NaN or an Inf; else 1, with *guess set for the next block. */
 __attribute__((target("avx512f"))) static int block_avx512(const float *x, Py_ssize_t n, Py_ssize_t k, int64_t *guess,
-                                                          int32_t *mag, int32_t *pos, float *val)
+                                                          int32_t *mag, int32_t *pos, int64_t base, int64_t *idx,
+                                                          float *val)
 {
     const __m512i abs_mask = _mm512_set1_epi32((int)ABS_MASK);
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -554,7 +556,27 @@ __attribute__((target("avx512f"))) static int block_avx512(const float *x, Py_ss
             c += mag[c] >= (int32_t)b.lo;
         }
     }
-    b = narrow(mag, c, k, b);
+    if (b.hi - b.lo > 2 * PROBE) { /* hi is the maximum: a count a little above lo brackets tighter */
+        Py_ssize_t above = count_mags_at_least(mag, c, (int32_t)(b.lo + PROBE));
+        if (above >= k)
+            b.lo += PROBE, b.at_lo = above;
+        else
+            b.hi = b.lo + PROBE, b.at_hi = above;
+    }
+    /* Keep only the gathered ones in [lo, hi): the counts to come are at_hi plus theirs. */
+    Py_ssize_t inside = 0;
+    __m512i lo_now = _mm512_set1_epi32((int32_t)b.lo), hi_now = _mm512_set1_epi32((int32_t)b.hi);
+    for (Py_ssize_t j = 0; j < c; j += LANES) {
+        __mmask16 in = j + LANES <= c ? 0xFFFF : (__mmask16)((1u << (c - j)) - 1);
+        __m512i m = _mm512_maskz_loadu_epi32(in, mag + j);
+        __mmask16 keep = _mm512_mask_cmpge_epi32_mask(in, m, lo_now) & _mm512_mask_cmplt_epi32_mask(in, m, hi_now);
+        _mm512_storeu_si512(mag + inside, _mm512_maskz_compress_epi32(keep, m)); /* inside <= j */
+        inside += __builtin_popcount(keep);
+    }
+    Bracket within = {b.lo, b.hi, b.at_lo - b.at_hi, 0};
+    within = narrow(mag, inside, k - b.at_hi, within);
+    b.lo = within.lo, b.hi = within.hi;
+    b.at_lo = within.at_lo + b.at_hi, b.at_hi = within.at_hi + b.at_hi;
     lo = _mm512_set1_epi32((int32_t)b.lo);
     __m512i hi = _mm512_set1_epi32((int32_t)b.hi), at = lanes;
     Py_ssize_t ties = k - b.at_hi, o = 0, i = 0;
@@ -562,7 +584,6 @@ __attribute__((target("avx512f"))) static int block_avx512(const float *x, Py_ss
         for (; i < full; i += LANES, at = _mm512_add_epi32(at, step)) {
             __m512 v = _mm512_loadu_ps(x + i);
             __mmask16 keep = _mm512_cmpge_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), lo);
-            _mm512_storeu_ps(val + o, _mm512_maskz_compress_ps(keep, v));
             _mm512_storeu_si512(pos + o, _mm512_maskz_compress_epi32(keep, at));
             o += __builtin_popcount(keep);
         }
@@ -571,7 +592,6 @@ __attribute__((target("avx512f"))) static int block_avx512(const float *x, Py_ss
             __m512 v = _mm512_loadu_ps(x + i);
             __mmask16 keep =
                 kept_lanes(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), 0xFFFF, lo, hi, &ties);
-            _mm512_storeu_ps(val + o, _mm512_maskz_compress_ps(keep, v));
             _mm512_storeu_si512(pos + o, _mm512_maskz_compress_epi32(keep, at));
             o += __builtin_popcount(keep);
         }
@@ -579,8 +599,18 @@ __attribute__((target("avx512f"))) static int block_avx512(const float *x, Py_ss
         __mmask16 in = (__mmask16)((1u << (n - i)) - 1);
         __m512 v = _mm512_maskz_loadu_ps(in, x + i);
         __mmask16 keep = kept_lanes(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), in, lo, hi, &ties);
-        _mm512_storeu_ps(val + o, _mm512_maskz_compress_ps(keep, v));
         _mm512_storeu_si512(pos + o, _mm512_maskz_compress_epi32(keep, at));
+    }
+    /* The kept positions widened to global int64 indices, and their values gathered. */
+    __m512i first = _mm512_set1_epi64(base);
+    for (Py_ssize_t j = 0; j < k; j += LANES) {
+        __mmask16 in = j + LANES <= k ? 0xFFFF : (__mmask16)((1u << (k - j)) - 1);
+        __m512i p = _mm512_maskz_loadu_epi32(in, pos + j);
+        _mm512_mask_storeu_ps(val + j, in, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in, p, x, 4));
+        _mm512_mask_storeu_epi64(idx + j, (__mmask8)in,
+                                 _mm512_add_epi64(first, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(p))));
+        _mm512_mask_storeu_epi64(idx + j + 8, (__mmask8)(in >> 8),
+                                 _mm512_add_epi64(first, _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(p, 1))));
     }
     *guess = b.lo - (1 << 20);
     return 1;
@@ -605,11 +635,11 @@ ALWAYS_INLINE Py_ssize_t top_and_count(const float *x, Py_ssize_t n, int32_t t, 
 
 /* The kept elements of x (numel of them, blocks of `block`, k kept of each or all of a shorter
  * one): global positions into idx, values into val, in order; `portable` keeps to the portable
- * path on any CPU (tests compare the two). pos and mag are scratch of block + LANES entries,
- * kval of k + LANES. 1, or 0 when x holds a NaN or an Inf (outputs undefined). */
+ * path on any CPU (tests compare the two). pos and mag are scratch of block + LANES entries.
+ * 1, or 0 when x holds a NaN or an Inf (outputs undefined). */
 WIDEST_SIMD
 static int topk_blocks(const float *x, Py_ssize_t numel, Py_ssize_t block, Py_ssize_t k, int portable,
-                       int32_t *pos, int32_t *mag, float *kval, int64_t *idx, float *val)
+                       int32_t *pos, int32_t *mag, int64_t *idx, float *val)
 {
     int64_t guess = -1;
     Py_ssize_t out = 0;
@@ -628,11 +658,8 @@ static int topk_blocks(const float *x, Py_ssize_t numel, Py_ssize_t block, Py_ss
         }
 #ifdef HAVE_AVX512_PATH
         if (avx512_ready && !portable) {
-            if (!block_avx512(b, n, k, &guess, mag, pos, kval))
+            if (!block_avx512(b, n, k, &guess, mag, pos, start, idx + out, val + out))
                 return 0;
-            for (Py_ssize_t j = 0; j < k; j++)
-                idx[out + j] = start + pos[j];
-            memcpy(val + out, kval, (size_t)k * sizeof *val);
             out += k;
             continue;
         }
@@ -1325,14 +1352,13 @@ static PyObject *topk(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "topk: indices and values must hold the kept count (int64, fp32)");
         return finish(views, -1);
     }
-    Py_ssize_t scratch = (block < numel ? block : numel) + LANES, kept = (k < scratch ? k : scratch) + LANES;
+    Py_ssize_t scratch = (block < numel ? block : numel) + LANES;
     int32_t *pos = PyMem_RawMalloc((size_t)scratch * sizeof(int32_t));
     int32_t *mag = PyMem_RawMalloc((size_t)scratch * sizeof(int32_t));
-    float *kval = PyMem_RawMalloc((size_t)kept * sizeof(float));
     int finite = -1;
-    if (pos && mag && kval) {
+    if (pos && mag) {
         Py_BEGIN_ALLOW_THREADS
-        finite = topk_blocks((const float *)views[0].buf, numel, block, k, portable, pos, mag, kval,
+        finite = topk_blocks((const float *)views[0].buf, numel, block, k, portable, pos, mag,
                              (int64_t *)views[1].buf, (float *)views[2].buf);
         Py_END_ALLOW_THREADS
     } else {
@@ -1340,7 +1366,6 @@ static PyObject *topk(PyObject *self, PyObject *args)
     }
     PyMem_RawFree(pos);
     PyMem_RawFree(mag);
-    PyMem_RawFree(kval);
     return finish(views, finite);
 }
 
