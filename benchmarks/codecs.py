@@ -85,6 +85,8 @@ PIPELINES = [
     "topk:0.05:4096|q2",
     "topk:0.1:4096|q2",
     "topk:0.025:4096|q2",
+    "topk:0.065:4096|sign:256",
+    "topk:0.03:4096|sign:256",
 ]
 LARGE_PIPELINES = ["q8", "q8|zstd:1", "q8|zstd:3"]
 CHUNK = 1 << 20

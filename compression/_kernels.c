@@ -699,40 +699,44 @@ ALWAYS_INLINE void store_word(uint8_t *at, uint64_t word, Py_ssize_t room)
 static int elias_fano_encode_all(const int64_t *idx, Py_ssize_t count, int64_t universe, int low,
                                  uint8_t *out_low, Py_ssize_t low_bytes, uint8_t *out_high, Py_ssize_t high_bytes)
 {
-    uint64_t mask = (1ull << low) - 1, acc = 0, word = 0;
-    Py_ssize_t held = 0, at = 0, current = 0; /* bits in acc, low bytes written, high word in hand */
-    int64_t last = -1;
+    uint64_t mask = (1ull << low) - 1, word = 0;
+    Py_ssize_t current = 0; /* the high part's word in hand, stored whole after every index */
+    int bad = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         int64_t v = idx[i];
-        if (v <= last || v >= universe)
+        bad |= (i ? v <= idx[i - 1] : v < 0) | (v >= universe);
+        if (bad) /* an index past the universe would write past the high part */
             return 0;
-        last = v;
-        Py_ssize_t bit = (Py_ssize_t)(v >> low) + i;
-        if (bit >> 6 != current) {
-            store_word(out_high + 8 * current, word, high_bytes - 8 * current);
-            current = bit >> 6, word = 0;
-        }
-        word |= 1ull << (bit & 63);
-        if (low <= 32) { /* held < 32 before, so acc never overflows */
-            acc |= ((uint64_t)v & mask) << held;
-            held += low;
-            if (held >= 32) {
-                store_word(out_low + at, acc, 4);
-                at += 4, acc >>= 32, held -= 32;
-            }
-        } else {
-            for (int b = 0; b < low; b++, held++) {
-                acc |= ((uint64_t)v >> b & 1) << held;
-                if (held == 63) {
-                    store_word(out_low + at, acc, 8);
-                    at += 8, acc = 0, held = -1;
-                }
-            }
-        }
+        Py_ssize_t bit = (Py_ssize_t)(v >> low) + i, w = bit >> 6;
+        word = (w == current ? word : 0) | 1ull << (bit & 63);
+        current = w;
+        if (8 * w + 8 <= high_bytes)
+            memcpy(out_high + 8 * w, &word, 8);
+        else
+            store_word(out_high + 8 * w, word, high_bytes - 8 * w);
     }
-    if (count)
-        store_word(out_high + 8 * current, word, high_bytes - 8 * current);
-    if (held > 0)
+    /* The low parts: eight of up to 8 bits fill `low` whole bytes, stored as one word while a
+     * whole word fits before the high part (it spills only zeros, which the high part, written
+     * above, must not receive: the spill stays inside the low part); the rest bit by bit. */
+    Py_ssize_t i = 0, at = 0;
+    if (low && low <= 8)
+        for (; i + 8 <= count && at + 8 <= low_bytes; i += 8, at += low) {
+            uint64_t group = 0;
+            for (int t = 0; t < 8; t++)
+                group |= ((uint64_t)idx[i + t] & mask) << (t * low);
+            memcpy(out_low + at, &group, 8);
+        }
+    uint64_t acc = 0;
+    int held = 0;
+    for (; i < count; i++)
+        for (int b = 0; b < low; b++) {
+            acc |= ((uint64_t)idx[i] >> b & 1) << held;
+            if (++held == 64) {
+                store_word(out_low + at, acc, low_bytes - at);
+                at += 8, acc = 0, held = 0;
+            }
+        }
+    if (held)
         store_word(out_low + at, acc, low_bytes - at);
     return 1;
 }
@@ -839,21 +843,54 @@ static Py_ssize_t pow2_at_least(Py_ssize_t n)
     return p;
 }
 
+#ifdef HAVE_AVX512_PATH
+/* The sign bits of v[0..m) (v · inv > 0) into bits, from bit 0 of its first byte, 16 at a time:
+ * whole bytes, the last one completed with zeros. */
+__attribute__((target("avx512f"))) static void sign_bits_avx512(const float *v, Py_ssize_t m, float inv,
+                                                               uint8_t *bits)
+{
+    __m512 scale = _mm512_set1_ps(inv), zero = _mm512_setzero_ps();
+    Py_ssize_t i = 0;
+    for (; i + LANES <= m; i += LANES) {
+        uint16_t mask = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_loadu_ps(v + i), scale), zero, _CMP_GT_OQ);
+        memcpy(bits + i / 8, &mask, sizeof mask);
+    }
+    if (i < m) {
+        __mmask16 in = (__mmask16)((1u << (m - i)) - 1);
+        __mmask16 mask =
+            _mm512_mask_cmp_ps_mask(in, _mm512_mul_ps(_mm512_maskz_loadu_ps(in, v + i), scale), zero, _CMP_GT_OQ);
+        bits[i / 8] = (uint8_t)mask;
+        if (m - i > 8)
+            bits[i / 8 + 1] = (uint8_t)(mask >> 8);
+    }
+}
+#endif
+
 /* The sign code (levels.py, "sign"): per block of `block` values its mean magnitude s (fp32 of
  * the double mean), and per value one bit, set when v · (1 / s) > 0 (all clear when s is 0),
- * packed LSB first after the scales, 64 bits at a time. 1, or 0 when v holds a NaN or an Inf. */
+ * packed LSB first after the scales: 64 bits at a time, or with AVX-512 16 at a time where
+ * blocks start on a 16-bit boundary. 1, or 0 when v holds a NaN or an Inf. */
 WIDEST_SIMD
 static int sign_encode_all(const float *v, Py_ssize_t count, Py_ssize_t block, float *scales, uint8_t *bits)
 {
     Py_ssize_t width = pow2_at_least(block), bytes = (count + 7) / 8;
     if (block_absmax_bits(v, count) >= INF_BITS)
         return 0;
+#ifdef HAVE_AVX512_PATH
+    int wide = avx512_ready && block % LANES == 0;
+#endif
     uint64_t word = 0;
     for (Py_ssize_t start = 0, b = 0; start < count; start += block, b++) {
         Py_ssize_t m = count - start < block ? count - start : block;
         float s = (float)(tree_abs_sum(v + start, m, width) / (double)m);
         float inv = s > 0.0f ? 1.0f / s : 0.0f;
         scales[b] = s;
+#ifdef HAVE_AVX512_PATH
+        if (wide) {
+            sign_bits_avx512(v + start, m, inv, bits + start / 8);
+            continue;
+        }
+#endif
         for (Py_ssize_t i = start; i < start + m; i++) {
             word |= (uint64_t)(v[i] * inv > 0.0f) << (i & 63);
             if ((i & 63) == 63) {
@@ -862,6 +899,10 @@ static int sign_encode_all(const float *v, Py_ssize_t count, Py_ssize_t block, f
             }
         }
     }
+#ifdef HAVE_AVX512_PATH
+    if (wide)
+        return 1;
+#endif
     if (count & 63)
         store_word(bits + count / 64 * 8, word, bytes - count / 64 * 8);
     return 1;
