@@ -25,3 +25,22 @@ def test_kernels_smoke(run_benchmark: Callable[..., Any]) -> None:
         assert r["elements"] == 4096
         assert math.isfinite(r["ms"]) and r["ms"] > 0, r
         assert r["ns_per_element"] == pytest.approx(r["ms"] * 1e6 / 4096), r
+
+
+def test_kernels_sparse_smoke(run_benchmark: Callable[..., Any]) -> None:
+    rows = run_benchmark("kernels.py", "--sparse", "topk:0.065:4096|sign:256")
+    assert [r["pass"] for r in rows] == [
+        "memcpy",
+        "topk",
+        "topk (portable)",
+        "elias_fano_encode",
+        "sign_encode",
+        "encode",
+        "encode + residual",
+        "elias_fano_decode",
+        "sign_decode (scatter)",
+        "decode",
+    ]
+    for r in rows:
+        assert r["elements"] == 4096
+        assert math.isfinite(r["ms"]) and r["ms"] > 0, r
