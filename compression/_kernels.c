@@ -700,13 +700,14 @@ static int elias_fano_encode_all(const int64_t *idx, Py_ssize_t count, int64_t u
                                  uint8_t *out_low, Py_ssize_t low_bytes, uint8_t *out_high, Py_ssize_t high_bytes)
 {
     uint64_t mask = (1ull << low) - 1, word = 0;
+    int increasing = count && idx[0] >= 0 && idx[count - 1] < universe;
+    for (Py_ssize_t j = 1; j < count; j++) /* first: an index past the universe would write past the high part */
+        increasing &= idx[j] > idx[j - 1];
+    if (!increasing)
+        return 0;
     Py_ssize_t current = 0; /* the high part's word in hand, stored whole after every index */
-    int bad = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         int64_t v = idx[i];
-        bad |= (i ? v <= idx[i - 1] : v < 0) | (v >= universe);
-        if (bad) /* an index past the universe would write past the high part */
-            return 0;
         Py_ssize_t bit = (Py_ssize_t)(v >> low) + i, w = bit >> 6;
         word = (w == current ? word : 0) | 1ull << (bit & 63);
         current = w;
@@ -765,15 +766,14 @@ ALWAYS_INLINE float signed_scale(unsigned bit, float s)
 
 /* The inverse: 0 with count indices in idx; 1 when the first high_bits bits of the high part
  * do not hold exactly count ones (*detail: how many they hold); 2 when the indices are not
- * strictly increasing; 3 when the last is at or past universe (*detail: it). */
+ * strictly increasing; 3 when the last is at or past universe (*detail: it). Three simple
+ * passes over idx (high parts from the set bits, low parts eight at a time where they are 8
+ * bits or fewer, then the checks) run faster than one that does all three per index. */
 static int elias_fano_decode_all(const uint8_t *raw_low, Py_ssize_t low_bytes, const uint8_t *raw_high,
                                  Py_ssize_t high_bits, Py_ssize_t count, int64_t universe, int low, int64_t *idx,
                                  int64_t *detail)
 {
     Py_ssize_t ones = 0, high_bytes = (high_bits + 7) / 8;
-    uint64_t mask = (1ull << low) - 1;
-    int increasing = 1;
-    int64_t last = -1;
     for (Py_ssize_t w = 0; w * 64 < high_bits; w++) {
         uint64_t word = load_bits64(raw_high + 8 * w, high_bytes - 8 * w);
         if (high_bits - w * 64 < 64)
@@ -783,22 +783,33 @@ static int elias_fano_decode_all(const uint8_t *raw_low, Py_ssize_t low_bytes, c
             ones += here;
             continue;
         }
-        for (; word; word &= word - 1, ones++) {
-            Py_ssize_t bit = w * 64 + __builtin_ctzll(word), at = ones * low;
-            uint64_t l = low ? load_bits64(raw_low + at / 8, low_bytes - at / 8) >> (at % 8) & mask : 0;
-            int64_t v = ((int64_t)(bit - ones) << low) | (int64_t)l;
-            increasing &= v > last;
-            idx[ones] = last = v;
-        }
+        for (; word; word &= word - 1, ones++)
+            idx[ones] = (int64_t)(w * 64 + __builtin_ctzll(word) - ones) << low;
     }
     if (ones != count) {
         *detail = ones;
         return 1;
     }
+    uint64_t mask = (1ull << low) - 1;
+    Py_ssize_t i = 0, at = 0; /* at: the byte of index i's low bits, while groups fill bytes */
+    if (low && low <= 8)
+        for (; i + 8 <= count && at + 8 <= low_bytes; i += 8, at += low) {
+            uint64_t group;
+            memcpy(&group, raw_low + at, 8);
+            for (int t = 0; t < 8; t++)
+                idx[i + t] |= (int64_t)(group >> (t * low) & mask);
+        }
+    for (; low && i < count; i++) {
+        Py_ssize_t bit = i * low;
+        idx[i] |= (int64_t)(load_bits64(raw_low + bit / 8, low_bytes - bit / 8) >> (bit % 8) & mask);
+    }
+    int increasing = 1;
+    for (Py_ssize_t j = 1; j < count; j++)
+        increasing &= idx[j] > idx[j - 1];
     if (!increasing)
         return 2;
-    if (count && last >= universe) {
-        *detail = last;
+    if (count && idx[count - 1] >= universe) {
+        *detail = idx[count - 1];
         return 3;
     }
     return 0;

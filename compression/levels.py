@@ -200,7 +200,8 @@ class LevelQuantizer:
             raise CodecError(f"{self.spec}: {raw.numel()} bytes, expected {self.encoded_size(numel)}")
         where = None if kept is None else kept.contiguous().numpy()
         if not _kernels.sign_decode(raw.contiguous().numpy(), numel, self.block, out.numpy(), where):
-            raise CodecError(f"{self.spec}: a block scale is negative, not finite or too large")
+            what = "" if kept is None else ", or the kept indices are not increasing within the output"
+            raise CodecError(f"{self.spec}: a block scale is negative, not finite or too large{what}")
         return True
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
