@@ -2,6 +2,8 @@
  * parameter checksum's mixing (geodiloco.params.Checksum), and the coordinator's per-span round
  * arithmetic (int8 codes folded into the round's sum, the Nesterov step with the downlink's error
  * feedback, and θ += the decoded update with its checksum and norm), each one pass over memory.
+ * Below one bit (the section of that name): per-block top-k, Elias-Fano index sets, the sign
+ * code, and top-k's error-feedback residual.
  *
  * Eager torch needs five passes over the input to quantise (amax, amin, scale, round, cast);
  * here each block of `block` floats is read twice while it sits in L1 (absmax, then codes), so
