@@ -255,7 +255,7 @@ def _adversarial(x: torch.Tensor, kind: str) -> torch.Tensor:
     return x
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     x=tensors(),
     kind=st.sampled_from(["as is", "ties", "zeros", "denormal"]),
