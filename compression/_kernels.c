@@ -686,9 +686,9 @@ static int topk_blocks(const float *x, Py_ssize_t numel, Py_ssize_t block, Py_ss
 }
 
 /* Elias-Fano (indices.py): `low` low bits of each index packed LSB first, then the high parts in
- * unary, index i setting bit (index >> low) + i of the high part. Both parts are built in 64-bit
- * words (out is zeroed first), which are stored little-endian as the packed bytes. 1, or 0 when
- * the indices are not strictly increasing within [0, universe). */
+ * unary, index i setting bit (index >> low) + i of the high part (out is zeroed first; flags is
+ * scratch of high_bits bytes). 1, or 0 when the indices are not strictly increasing within
+ * [0, universe). */
 ALWAYS_INLINE void store_word(uint8_t *at, uint64_t word, Py_ssize_t room)
 {
     if (room >= 8) /* little-endian, as the packed bytes; a fixed size is one store */
@@ -699,25 +699,28 @@ ALWAYS_INLINE void store_word(uint8_t *at, uint64_t word, Py_ssize_t room)
 }
 
 static int elias_fano_encode_all(const int64_t *idx, Py_ssize_t count, int64_t universe, int low,
-                                 uint8_t *out_low, Py_ssize_t low_bytes, uint8_t *out_high, Py_ssize_t high_bytes)
+                                 uint8_t *out_low, Py_ssize_t low_bytes, uint8_t *out_high, Py_ssize_t high_bits,
+                                 uint8_t *flags)
 {
-    uint64_t mask = (1ull << low) - 1, word = 0;
+    uint64_t mask = (1ull << low) - 1;
     int increasing = count && idx[0] >= 0 && idx[count - 1] < universe;
     for (Py_ssize_t j = 1; j < count; j++) /* first: an index past the universe would write past the high part */
         increasing &= idx[j] > idx[j - 1];
     if (!increasing)
         return 0;
-    Py_ssize_t current = 0; /* the high part's word in hand, stored whole after every index */
-    for (Py_ssize_t i = 0; i < count; i++) {
-        int64_t v = idx[i];
-        Py_ssize_t bit = (Py_ssize_t)(v >> low) + i, w = bit >> 6;
-        word = (w == current ? word : 0) | 1ull << (bit & 63);
-        current = w;
-        if (8 * w + 8 <= high_bytes)
-            memcpy(out_high + 8 * w, &word, 8);
-        else
-            store_word(out_high + 8 * w, word, high_bytes - 8 * w);
+    /* The high part: a byte per bit (flags, high_bits of them) set at each index, then packed
+     * eight to a byte by one multiply (flag t of 8 lands in bit 56 + t, no two products overlap). */
+    memset(flags, 0, (size_t)high_bits);
+    for (Py_ssize_t i = 0; i < count; i++)
+        flags[(Py_ssize_t)(idx[i] >> low) + i] = 1;
+    Py_ssize_t b = 0;
+    for (; b + 8 <= high_bits; b += 8) {
+        uint64_t eight;
+        memcpy(&eight, flags + b, 8);
+        out_high[b / 8] = (uint8_t)((eight * 0x0102040810204080ull) >> 56);
     }
+    for (; b < high_bits; b++)
+        out_high[b / 8] |= (uint8_t)(flags[b] << (b % 8));
     /* The low parts: eight of up to 8 bits fill `low` whole bytes, stored as one word while a
      * whole word fits before the high part (it spills only zeros, which the high part, written
      * above, must not receive: the spill stays inside the low part); the rest bit by bit. */
@@ -732,8 +735,8 @@ static int elias_fano_encode_all(const int64_t *idx, Py_ssize_t count, int64_t u
     uint64_t acc = 0;
     int held = 0;
     for (; i < count; i++)
-        for (int b = 0; b < low; b++) {
-            acc |= ((uint64_t)idx[i] >> b & 1) << held;
+        for (int bit = 0; bit < low; bit++) {
+            acc |= ((uint64_t)idx[i] >> bit & 1) << held;
             if (++held == 64) {
                 store_word(out_low + at, acc, low_bytes - at);
                 at += 8, acc = 0, held = 0;
@@ -1466,13 +1469,18 @@ static PyObject *elias_fano_encode(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "elias_fano_encode: out must hold exactly the encoded size");
         return finish(views, -1);
     }
-    uint8_t *out = views[1].buf;
-    int valid;
-    Py_BEGIN_ALLOW_THREADS
-    memset(out, 0, (size_t)views[1].len);
-    valid = elias_fano_encode_all((const int64_t *)views[0].buf, count, universe, low, out, low_bytes,
-                                  out + low_bytes, views[1].len - low_bytes);
-    Py_END_ALLOW_THREADS
+    uint8_t *out = views[1].buf, *flags = PyMem_RawMalloc((size_t)high_bits);
+    int valid = -1;
+    if (flags) {
+        Py_BEGIN_ALLOW_THREADS
+        memset(out, 0, (size_t)views[1].len);
+        valid = elias_fano_encode_all((const int64_t *)views[0].buf, count, universe, low, out, low_bytes,
+                                      out + low_bytes, high_bits, flags);
+        Py_END_ALLOW_THREADS
+    } else {
+        PyErr_NoMemory();
+    }
+    PyMem_RawFree(flags);
     return finish(views, valid);
 }
 
