@@ -368,3 +368,19 @@ def test_the_residual_without_a_dense_decode_is_x_minus_what_receivers_decode(sp
     expected, back = pipeline.roundtrip(x)
     assert data == expected
     assert same_bits(residual, x - back)
+
+
+@settings(max_examples=40, deadline=None)
+@given(universe=st.integers(1, 100_000), fraction=st.floats(0.0, 1.0), seed=st.integers(0, 1000))
+def test_elias_fano_kernels_give_the_torch_codes_bytes(universe: int, fraction: float, seed: int) -> None:
+    """Any universe and count (low parts from 0 to 16 bits): the same bytes, the same indices back."""
+    count = int(universe * fraction)
+    idx = torch.randperm(universe, generator=torch.Generator().manual_seed(seed))[:count].sort().values
+    fused = indices.encode(idx, universe)
+    kept = _sparse_torch_paths()
+    try:
+        assert torch.equal(indices.encode(idx, universe), fused)
+        assert torch.equal(indices.decode(fused, universe, count), idx)
+    finally:
+        _sparse_kernels(kept)
+    assert torch.equal(indices.decode(fused, universe, count), idx)
