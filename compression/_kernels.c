@@ -986,6 +986,43 @@ static int sparse_residual_all(const float *x, Py_ssize_t n, const int64_t *idx,
     return j == count;
 }
 
+/* add_hash_span with decoded = the sign code's count values at idx (increasing, each below n)
+ * and zero elsewhere: each tile of APPLY_TILE is zeroed, given its kept values and added while in
+ * L1, as apply_q8_span does, so the same θ, residual, sums and Σ θ² as decoding first (θ + 0
+ * included). 1, or 0 with nothing written when a scale is negative or not finite, or the indices
+ * are not increasing within [0, n). */
+WIDEST_SIMD
+static int apply_sign_span(float *theta, const float *scales, const uint8_t *bits, Py_ssize_t count, Py_ssize_t block,
+                           const int64_t *idx, float *residual, Py_ssize_t n, uint64_t first, double *sumsq,
+                           uint64_t *low, uint64_t *high)
+{
+    float tile[APPLY_TILE];
+    double lanes[SQUARE_LANES] = {0};
+    *low = *high = 0;
+    for (Py_ssize_t b = 0; b < (count + block - 1) / block; b++) /* all checks first: a refusal writes nothing */
+        if (!(scales[b] >= 0.0f && scales[b] <= 3.40282346638528859812e+38f))
+            return 0;
+    for (Py_ssize_t j = 0; j < count; j++)
+        if (idx[j] >= n || idx[j] <= (j ? idx[j - 1] : -1))
+            return 0;
+    Py_ssize_t j = 0, b = 0, left = block;
+    for (Py_ssize_t at = 0; at < n; at += APPLY_TILE) {
+        Py_ssize_t m = n - at < APPLY_TILE ? n - at : APPLY_TILE;
+        memset(tile, 0, (size_t)m * sizeof *tile);
+        for (; j < count && idx[j] < at + m; j++) {
+            tile[idx[j] - at] = signed_scale(bits[j >> 3] >> (j & 7), scales[b]);
+            if (!--left)
+                b++, left = block;
+        }
+        if (residual)
+            add_hash_run(theta + at, tile, residual + at, m, first + (uint64_t)at, lanes, low, high);
+        else
+            add_hash_run(theta + at, tile, NULL, m, first + (uint64_t)at, lanes, low, high);
+    }
+    *sumsq = lane_total(lanes);
+    return 1;
+}
+
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what)
 {
     int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
@@ -1630,6 +1667,58 @@ static PyObject *sparse_residual(PyObject *self, PyObject *args)
     return PyBool_FromLong(valid);
 }
 
+PyDoc_STRVAR(apply_sign_doc,
+             "apply_sign(theta, raw, count, block, indices, residual, first) -> (sumsq, low, high) | None\n\n"
+             "add_and_hash(theta, decoded, residual, first) where decoded is zero but the count values\n"
+             "of the sign code raw at the int64 indices (strictly increasing), in one pass that never\n"
+             "writes decoded out: the same theta, residual and results. None, with nothing written,\n"
+             "when a scale is negative or not finite, or an index is out of order or outside theta.");
+
+static PyObject *apply_sign(PyObject *self, PyObject *args)
+{
+    PyObject *objs[4];
+    Py_ssize_t count, block;
+    unsigned long long first;
+    Py_buffer views[4]; /* theta, raw, indices, residual */
+    if (!PyArg_ParseTuple(args, "OOnnOOK", &objs[0], &objs[1], &count, &block, &objs[2], &objs[3], &first))
+        return NULL;
+    if (check_block(block) < 0 || count < 0)
+        return NULL;
+    int with_residual = objs[3] != Py_None;
+    if (get_buffers(3 + with_residual, objs, (const char *const[]){"theta", "raw", "indices", "residual"},
+                    0x1 | (with_residual << 3), views) < 0)
+        return NULL;
+    Py_ssize_t n = views[0].len / (Py_ssize_t)sizeof(float), head = (count + block - 1) / block * 4;
+    if (views[0].len % (Py_ssize_t)sizeof(float) || views[1].len != head + (count + 7) / 8 ||
+        views[2].len != count * (Py_ssize_t)sizeof(int64_t) || (with_residual && views[3].len != views[0].len) ||
+        (unsigned long long)n >= (1ull << 32)) {
+        release_buffers(3 + with_residual, views);
+        PyErr_SetString(PyExc_ValueError,
+                        "apply_sign: theta and residual must be fp32 of one length n under 2^32, raw the sign code "
+                        "of count values and indices count int64");
+        return NULL;
+    }
+    const uint8_t *raw = views[1].buf;
+    float *scales = PyMem_RawMalloc((size_t)head + 1);
+    if (!scales) {
+        release_buffers(3 + with_residual, views);
+        return PyErr_NoMemory();
+    }
+    double sumsq = 0.0;
+    uint64_t low = 0, high = 0;
+    int valid;
+    Py_BEGIN_ALLOW_THREADS
+    memcpy(scales, raw, (size_t)head);
+    valid = apply_sign_span((float *)views[0].buf, scales, raw + head, count, block, (const int64_t *)views[2].buf,
+                            with_residual ? (float *)views[3].buf : NULL, n, (uint64_t)first, &sumsq, &low, &high);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(scales);
+    release_buffers(3 + with_residual, views);
+    if (!valid)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(dKK)", sumsq, (unsigned long long)low, (unsigned long long)high);
+}
+
 static PyMethodDef methods[] = {
     {"quantize_q8", quantize_q8, METH_VARARGS, quantize_q8_doc},
     {"dequantize_q8", dequantize_q8, METH_VARARGS, dequantize_q8_doc},
@@ -1648,6 +1737,7 @@ static PyMethodDef methods[] = {
     {"sign_encode", sign_encode, METH_VARARGS, sign_encode_doc},
     {"sign_decode", sign_decode, METH_VARARGS, sign_decode_doc},
     {"sparse_residual", sparse_residual, METH_VARARGS, sparse_residual_doc},
+    {"apply_sign", apply_sign, METH_VARARGS, apply_sign_doc},
     {NULL, NULL, 0, NULL},
 };
 

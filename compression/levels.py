@@ -204,6 +204,43 @@ class LevelQuantizer:
             raise CodecError(f"{self.spec}: a block scale is negative, not finite or too large{what}")
         return True
 
+    def add_and_hash(
+        self,
+        raw: torch.Tensor,
+        kept: torch.Tensor,
+        theta: torch.Tensor,
+        first: int,
+        residual: torch.Tensor | None,
+    ) -> tuple[float, int, int] | None:
+        """θ += (zeros but :meth:`decode`'s values at ``kept``, increasing indices), ``residual`` −=
+        the same where given, with the new θ's Σ θ² and checksum sums as
+        :func:`geodiloco.params.add_and_hash` computes them, in one C pass that never writes the
+        dense values out: the same bits as decoding first. None, nothing written, where the kernel
+        does not apply (not the sign code, not built, not contiguous host fp32). Refuses what
+        decoding refuses."""
+        tensors = [theta] if residual is None else [theta, residual]
+        host = all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+        if not (self.fused and theta.numel() and host):
+            return None
+        if raw.numel() != self.encoded_size(kept.numel()):
+            raise CodecError(f"{self.spec}: {raw.numel()} bytes, expected {self.encoded_size(kept.numel())}")
+        rest = None if residual is None else residual.numpy()
+        done = _kernels.apply_sign(
+            theta.numpy(),
+            raw.contiguous().numpy(),
+            kept.numel(),
+            self.block,
+            kept.contiguous().numpy(),
+            rest,
+            first,
+        )
+        if done is None:
+            raise CodecError(
+                f"{self.spec}: a block scale is negative, not finite or too large, "
+                "or the kept indices are not increasing within the output"
+            )
+        return done
+
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:
             return torch.zeros(0)

@@ -342,9 +342,21 @@ class Pipeline:
     ) -> tuple[float, int, int] | None:
         """θ += the values of ``raw`` (from :meth:`unpack` or :meth:`roundtrip_raw`, ``theta``'s
         size) and ``residual`` −= them, with the new θ's Σ θ² and checksum sums, in one pass from
-        the codes: blockwise q8 alone (None elsewhere, nothing written; decode instead)."""
+        the codes: blockwise q8 alone, or top-k with the sign code (None elsewhere, nothing
+        written; decode instead)."""
         if self.sparsifier is None and isinstance(self.values, BlockwiseAbsmax):
             return self.values.add_and_hash(raw, theta, first, residual)
+        if (
+            isinstance(self.sparsifier, TopK)
+            and isinstance(self.values, LevelQuantizer)
+            and self.values.fused
+        ):
+            numel = theta.numel()
+            if raw.numel() != self.raw_size(numel):
+                raise CodecError(f"{self.spec}: {raw.numel()} raw bytes, expected {self.raw_size(numel)}")
+            split = self.sparsifier.index_size(numel)
+            kept = indices.decode(raw[:split], numel, self.sparsifier.count(numel))
+            return self.values.add_and_hash(raw[split:], kept, theta, first, residual)
         return None
 
     def raw_sumsq(self, raw: torch.Tensor, numel: int) -> float | None:

@@ -384,3 +384,35 @@ def test_elias_fano_kernels_give_the_torch_codes_bytes(universe: int, fraction: 
     finally:
         _sparse_kernels(kept)
     assert torch.equal(indices.decode(fused, universe, count), idx)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize(
+    ("spec", "numel"), [("topk:0.16:4096|sign:256", 10_000), ("topk:0.5:7|sign:3", 4097)]
+)
+def test_applying_a_sparse_update_equals_decoding_then_add_and_hash(
+    with_residual: bool, spec: str, numel: int
+) -> None:
+    """A site adds a top-k + sign update to θ from its codes, the dense values never written: θ
+    (−0.0 + 0 included), the residual, the checksum sums and Σ θ² are decode-then-add's."""
+    pipeline = parse_pipeline(spec)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(5))
+    x[:64] = 0.0  # a block of zeros: its scale is 0, its values ±0
+    raw = pipeline.unpack(pipeline.encode(x), numel)
+    theta, residual = torch.randn(numel), torch.randn(numel)
+    theta[::5] = -0.0
+    t, r = theta.clone(), residual.clone()
+    expected = quantize._kernels.add_and_hash(
+        t.numpy(), pipeline.decode_raw(raw, numel).numpy(), r.numpy() if with_residual else None, 99
+    )
+    t2, r2 = theta.clone(), residual.clone()
+    assert pipeline.apply_raw(raw, t2, 99, r2 if with_residual else None) == expected
+    assert same_bits(t2, t) and same_bits(r2, r)
+    bad = raw.clone()
+    bad[pipeline.sparsifier.index_size(numel) : pipeline.sparsifier.index_size(numel) + 4] = torch.tensor(
+        [-1.0]
+    ).view(torch.uint8)
+    t3 = theta.clone()
+    with pytest.raises(CodecError, match="block scale"):
+        pipeline.apply_raw(bad, t3, 99)
+    assert same_bits(t3, theta)  # refused before anything was added
