@@ -19,9 +19,10 @@ per chunk and nanoseconds per element.
 per-block top-k (``topk``; ``topk (portable)``: the kernel's path for CPUs without AVX-512),
 the index set's Elias-Fano code and the kept values' sign code, each way, then the whole
 ``encode``, a site's ``encode + residual`` (error feedback's record without a dense decoded
-tensor) and ``decode``. ``memcpy`` of the chunk is the yardstick. Each is the best of
-``--repeats`` single calls (each takes a fraction of a millisecond: on shared cores a window of
-ten is rarely left alone).
+tensor), ``decode``, and ``apply`` (θ += the update with θ's checksum and Σ θ², from the
+codes, as a site applies what it pulls). ``memcpy`` of the chunk is the yardstick. Each is the
+best of ``--repeats`` single calls (each takes a fraction of a millisecond: on shared cores a
+window of ten is rarely left alone).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def sparse_passes(n: int, spec: str) -> dict[str, Callable[[], object]]:
     kept, values = topk.select_values(delta)
     index_code, sign_code = indices.encode(kept, n), signs.encode(values)
     frame = codec.encode(delta, place)
+    raw, theta = codec.unpack(frame, n, place), torch.randn(n, generator=gen)
     out_kept, out_values = np.empty(k, np.int64), np.empty(k, np.float32)
     out, residual, x = torch.empty(n), torch.empty(n), delta.numpy()
     copy = np.empty_like(x)
@@ -112,6 +114,7 @@ def sparse_passes(n: int, spec: str) -> dict[str, Callable[[], object]]:
         "elias_fano_decode": lambda: indices.decode(index_code, n, k),
         "sign_decode (scatter)": lambda: signs.scatter(sign_code, kept, out),
         "decode": lambda: codec.decode(frame, n, place),
+        "apply": lambda: codec.apply_raw(raw, theta, 12_345),
     }
 
 

@@ -40,6 +40,7 @@ def test_kernels_sparse_smoke(run_benchmark: Callable[..., Any]) -> None:
         "elias_fano_decode",
         "sign_decode (scatter)",
         "decode",
+        "apply",
     ]
     for r in rows:
         assert r["elements"] == 4096
