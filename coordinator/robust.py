@@ -1,0 +1,178 @@
+"""Robust aggregation: norm clipping, coordinate-wise trimmed mean and median, per fragment.
+
+The token-weighted mean (:class:`~geodiloco.coordinator.aggregator.WeightedMean`) folds each
+contribution into one sum as it arrives. The robust rules need every contribution of the round
+at once (a coordinate's median, the round's median norm), so :class:`HeldContributions` keeps
+each one decoded, as fp32, in a memory-mapped unlinked file (4 bytes per parameter per
+contribution on disk; the page cache, not the heap, holds them), and computes the rule at the
+round's close span by span, in the commit's worker threads: a block of every contribution at a
+time (contributions x ``BLOCK`` values), whatever the model.
+
+Weights are the ledger's (late merges' discounted for staleness). A trimmed or median rule drops
+values by their rank, not their weight; what is kept is averaged with its weights. With fewer
+contributions than a rule needs to outvote one site (``2 x trim + 1``; median 3), the round
+falls back to ``clip``, which bounds any one site's pull to ``clip_multiple`` x the median norm
+but cannot tell which of two sites is wrong.
+
+Secure aggregation lets the coordinator see only the sum: of these rules only the mean works
+with it, and clip when each site clips itself to a published bound before masking; trimmed mean
+and median need every site's values and do not.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+import threading
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+import torch
+
+from geodiloco.config import AggregationConfig
+from geodiloco.coordinator.aggregator import Contribution, TensorContribution, WeightedMean
+
+BLOCK = 1 << 16  # values per contribution in one step of a rule (sort and gather scratch: ~1 MB each)
+
+
+def clip_scales(sumsqs: list[float], multiple: float) -> list[float]:
+    """Each contribution's factor so that its norm is at most ``multiple`` x the median norm."""
+    norms = [math.sqrt(s) for s in sumsqs]
+    bound = multiple * statistics.median(norms) if norms else 0.0
+    return [1.0 if n <= bound or n == 0.0 else bound / n for n in norms]
+
+
+def effective_rule(rule: str, count: int, trim: int) -> str:
+    """The rule a round of ``count`` contributions uses: ``clip`` where ``rule`` cannot outvote
+    one site among them."""
+    if rule == "trimmed_mean" and count < 2 * trim + 1:
+        return "clip"
+    if rule == "median" and count < 3:
+        return "clip"
+    return rule
+
+
+def combine(
+    values: torch.Tensor, weights: list[int], rule: str, trim: int = 1, scales: list[float] | None = None
+) -> torch.Tensor:
+    """One block of the rule: ``values`` is contributions x elements (fp32), ``weights`` their
+    positive integer weights; returns the aggregate per element (fp32). ``scales`` (clip): each
+    contribution's factor."""
+    k = values.shape[0]
+    w = torch.tensor(weights, dtype=torch.float64)
+    if rule in ("mean", "clip"):
+        factors = w / w.sum()
+        if rule == "clip":
+            factors = factors * torch.tensor(scales or [1.0] * k, dtype=torch.float64)
+        return (values * factors.to(torch.float32)[:, None]).sum(0)
+    ordered, order = torch.sort(values, dim=0, stable=True)
+    ranked = w[order]  # each sorted value's weight (exact: integers in float64)
+    if rule == "trimmed_mean":
+        kept, kept_w = ordered[trim : k - trim], ranked[trim : k - trim]
+        return ((kept.double() * kept_w).sum(0) / kept_w.sum(0)).to(torch.float32)
+    if rule == "median":
+        cumulative = ranked.cumsum(0)
+        half = float(w.sum()) / 2
+        j = (cumulative < half).sum(0, keepdim=True)  # the first value whose cumulative weight reaches half
+        low = ordered.gather(0, j)[0]
+        on_edge = cumulative.gather(0, j)[0] == half  # exactly half below: the middle of two values
+        high = ordered.gather(0, (j + 1).clamp(max=k - 1))[0]
+        return torch.where(on_edge, (low + high) / 2, low)
+    raise ValueError(f"unknown aggregation rule {rule!r}")
+
+
+class HeldContributions:
+    """A round's contributions, each kept whole until the close, then combined by a robust rule.
+
+    The same face as :class:`WeightedMean` to the round controller: :meth:`fold` as they come,
+    :meth:`ready` when the round closes, :meth:`prepare` per span in the commit's workers (it
+    writes the aggregate into :attr:`total`; :attr:`divisor` is 1), :meth:`reset` after."""
+
+    def __init__(self, numel: int, cfg: AggregationConfig, spill_dir: Path | None = None) -> None:
+        self.numel = numel
+        self.cfg = cfg
+        self.spill_dir = spill_dir
+        self._files: list[IO[bytes]] = []
+        self._buffers: list[torch.Tensor] = []  # one per contribution, reused from round to round
+        self._total: torch.Tensor | None = None
+        self.weight = 0
+        self.contributors: list[str] = []
+        self.tokens: dict[str, int] = {}
+        self.weights: list[int] = []
+        self.sumsqs: list[float] = []
+        self.rule = cfg.rule  # this round's, once ready
+        self.scales: list[float] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def total(self) -> torch.Tensor:
+        if self._total is None:
+            self._total = torch.zeros(self.numel, dtype=torch.float32)
+        return self._total
+
+    def _buffer(self, index: int) -> torch.Tensor:
+        while len(self._buffers) <= index:
+            spill = tempfile.TemporaryFile(dir=self.spill_dir)  # noqa: SIM115 (kept open: unlinked, gone with us)
+            spill.truncate(self.numel * 4)
+            mapped = np.memmap(spill, dtype=np.float32, mode="r+", shape=(self.numel,))
+            self._files.append(spill)
+            self._buffers.append(torch.from_numpy(mapped))
+        return self._buffers[index]
+
+    def add(self, site: str, delta: torch.Tensor, tokens: int) -> None:
+        self.fold(site, TensorContribution(delta), tokens)
+
+    def fold(self, site: str, contribution: Contribution, tokens: int) -> None:
+        """Keep ``contribution`` (decoded, weight 1) for the close (worker thread)."""
+        if tokens <= 0:
+            raise ValueError("a contribution needs a positive token count")
+        with self._lock:
+            buffer = self._buffer(len(self.contributors))
+        contribution.fold_into(buffer, 1.0, first=True)
+        with self._lock:
+            self.weight += tokens
+            self.contributors.append(site)
+            self.tokens[site] = tokens
+            self.weights.append(tokens)
+            self.sumsqs.append(contribution.sumsq)
+
+    def ready(self) -> None:
+        """The round's contributions are all in: fix its rule (and clip's scales)."""
+        self.rule = effective_rule(self.cfg.rule, len(self.contributors), self.cfg.trim)
+        self.scales = clip_scales(self.sumsqs, self.cfg.clip_multiple) if self.rule == "clip" else None
+
+    def prepare(self, start: int, numel: int) -> None:
+        """Write the rule's aggregate of elements ``[start, start + numel)`` into :attr:`total`."""
+        out = self.total
+        held = self._buffers[: len(self.contributors)]
+        for a in range(start, start + numel, BLOCK):
+            b = min(a + BLOCK, start + numel)
+            values = torch.stack([h[a:b] for h in held])
+            out[a:b] = combine(values, self.weights, self.rule, self.cfg.trim, self.scales)
+
+    def mean(self) -> torch.Tensor:
+        """The whole aggregate (tests, tools)."""
+        self.ready()
+        self.prepare(0, self.numel)
+        return self.total
+
+    @property
+    def divisor(self) -> int:
+        if not self.weight:
+            raise ValueError("no contributions to average")
+        return 1
+
+    def reset(self) -> None:
+        """Empty for the next round, keeping the files (the next round overwrites them)."""
+        self.weight = 0
+        self.contributors, self.tokens, self.weights, self.sumsqs = [], {}, [], []
+        self.rule, self.scales = self.cfg.rule, None
+
+
+def build_aggregate(
+    cfg: AggregationConfig, numel: int, spill_dir: Path | None
+) -> WeightedMean | HeldContributions:
+    """The round's aggregate for ``cfg.rule``: the mean folds as contributions come, the others hold them."""
+    return WeightedMean(numel) if cfg.rule == "mean" else HeldContributions(numel, cfg, spill_dir)
