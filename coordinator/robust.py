@@ -1,4 +1,5 @@
-"""Robust aggregation: norm clipping, coordinate-wise trimmed mean and median, per fragment.
+"""Robust aggregation, per fragment: norm clipping, coordinate-wise trimmed mean and median,
+and the mean of the contributions near the median (``filtered_mean``, the default).
 
 The token-weighted mean (:class:`~geodiloco.coordinator.aggregator.WeightedMean`) folds each
 contribution into one sum as it arrives. The robust rules need every contribution of the round
@@ -6,17 +7,28 @@ at once (a coordinate's median, the round's median norm), so :class:`HeldContrib
 each one decoded, as fp32, in a memory-mapped unlinked file (4 bytes per parameter per
 contribution on disk; the page cache, not the heap, holds them), and computes the rule at the
 round's close span by span, in the commit's worker threads: a block of every contribution at a
-time (contributions x ``BLOCK`` values), whatever the model.
+time (contributions x ``BLOCK`` values), whatever the model. ``filtered_mean`` makes one pass
+more, for each contribution's distance from the coordinate-wise median.
+
+Why ``filtered_mean`` is the default (``benchmarks/robust.py``, docs/robustness.md): with one
+poisoning site of four, a trimmed mean or median drops the poison at each coordinate but also
+the honest value at the other end, so its result leans towards the poison (a sign flip cost
+3% of the final loss there); and with nobody attacking it averages two of four values (0.4%).
+Dropping whole contributions that are far from the median, and averaging the rest with their
+weights, leaves the honest sites' exact mean under those attacks, and the plain mean when no
+contribution stands out. One kept is within ``filter_multiple`` x the median distance of the
+median, so what it can pull is bounded by the honest sites' own spread.
 
 Weights are the ledger's (late merges' discounted for staleness). A trimmed or median rule drops
 values by their rank, not their weight; what is kept is averaged with its weights. With fewer
-contributions than a rule needs to outvote one site (``2 x trim + 1``; median 3), the round
-falls back to ``clip``, which bounds any one site's pull to ``clip_multiple`` x the median norm
-but cannot tell which of two sites is wrong.
+contributions than a rule needs to outvote one site (``2 x trim + 1``; median and filtered mean
+3), the round falls back to ``clip``, which bounds any one site's pull to ``clip_multiple`` x
+the median norm but cannot tell which of two sites is wrong (with two sites and a multiple of 2
+it never clips: twice the median of two norms is their sum).
 
 Secure aggregation lets the coordinator see only the sum: of these rules only the mean works
-with it, and clip when each site clips itself to a published bound before masking; trimmed mean
-and median need every site's values and do not.
+with it, and clip when each site clips itself to a published bound before masking; trimmed mean,
+median and filtered mean need every site's values and do not.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ import torch
 
 from geodiloco.config import AggregationConfig
 from geodiloco.coordinator.aggregator import Contribution, TensorContribution, WeightedMean
+from geodiloco.coordinator.rounds_pool import WORKERS
 
 BLOCK = 1 << 16  # values per contribution in one step of a rule (sort and gather scratch: ~1 MB each)
 
@@ -49,9 +62,19 @@ def effective_rule(rule: str, count: int, trim: int) -> str:
     one site among them."""
     if rule == "trimmed_mean" and count < 2 * trim + 1:
         return "clip"
-    if rule == "median" and count < 3:
+    if rule in ("median", "filtered_mean") and count < 3:
         return "clip"
     return rule
+
+
+def kept_by_distance(squared: list[float], multiple: float) -> list[float]:
+    """1 for each contribution kept, 0 for one dropped: farther from the median than ``multiple``
+    x the median distance, at most the farthest ``(count - 1) // 2`` of them (a majority stays)."""
+    distances = [math.sqrt(d) for d in squared]
+    bound = multiple * statistics.median(distances)
+    outliers = sorted((i for i, d in enumerate(distances) if d > bound), key=lambda i: -distances[i])
+    dropped = set(outliers[: (len(distances) - 1) // 2])
+    return [0.0 if i in dropped else 1.0 for i in range(len(distances))]
 
 
 def combine(
@@ -62,10 +85,13 @@ def combine(
     contribution's factor."""
     k = values.shape[0]
     w = torch.tensor(weights, dtype=torch.float64)
-    if rule in ("mean", "clip"):
+    if rule in ("mean", "clip", "filtered_mean"):
         factors = w / w.sum()
         if rule == "clip":
             factors = factors * torch.tensor(scales or [1.0] * k, dtype=torch.float64)
+        if rule == "filtered_mean":  # scales: 1 kept, 0 dropped; the kept weigh as a whole
+            kept = w * torch.tensor(scales or [1.0] * k, dtype=torch.float64)
+            factors = kept / kept.sum()
         return (values * factors.to(torch.float32)[:, None]).sum(0)
     ordered, order = torch.sort(values, dim=0, stable=True)
     ranked = w[order]  # each sorted value's weight (exact: integers in float64)
@@ -139,9 +165,24 @@ class HeldContributions:
             self.sumsqs.append(contribution.sumsq)
 
     def ready(self) -> None:
-        """The round's contributions are all in: fix its rule (and clip's scales)."""
+        """The round's contributions are all in: fix its rule, and clip's scales or which ones
+        filtered_mean keeps (a first pass over the spans, in the workers)."""
         self.rule = effective_rule(self.cfg.rule, len(self.contributors), self.cfg.trim)
-        self.scales = clip_scales(self.sumsqs, self.cfg.clip_multiple) if self.rule == "clip" else None
+        self.scales = None
+        if self.rule == "clip":
+            self.scales = clip_scales(self.sumsqs, self.cfg.clip_multiple)
+        elif self.rule == "filtered_mean":
+            spans = [(a, min(BLOCK, self.numel - a)) for a in range(0, self.numel, BLOCK)]
+            squared = torch.zeros(len(self.contributors), dtype=torch.float64)
+            for part in WORKERS.map(lambda span: self._distances(*span), spans):
+                squared += part
+            self.scales = kept_by_distance(squared.tolist(), self.cfg.filter_multiple)
+
+    def _distances(self, start: int, numel: int) -> torch.Tensor:
+        """Each contribution's Σ (Δ - the coordinate-wise median)² over the span."""
+        values = torch.stack([h[start : start + numel] for h in self._buffers[: len(self.contributors)]])
+        center = combine(values, self.weights, "median")
+        return (values - center).double().square().sum(1)
 
     def prepare(self, start: int, numel: int) -> None:
         """Write the rule's aggregate of elements ``[start, start + numel)`` into :attr:`total`."""

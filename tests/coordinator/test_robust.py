@@ -10,7 +10,13 @@ import torch
 
 from geodiloco.config import AggregationConfig, ConfigError
 from geodiloco.coordinator.refusals import InvalidArgument
-from geodiloco.coordinator.robust import HeldContributions, clip_scales, combine, effective_rule
+from geodiloco.coordinator.robust import (
+    HeldContributions,
+    clip_scales,
+    combine,
+    effective_rule,
+    kept_by_distance,
+)
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.testing.configs import streaming_config, tiny_config
 from geodiloco.testing.local_runs import coordinator_for, global_snapshot, run_sites
@@ -71,18 +77,36 @@ def test_weighted_median_is_the_middle_by_weight() -> None:
     assert torch.equal(odd, x[:3].median(dim=0).values)
 
 
+def test_filtered_mean_drops_a_far_contribution_and_weighs_the_rest() -> None:
+    x, w = honest(4), [100, 200, 300, 400]
+    x[1] = -4 * x[1]  # far from the others: dropped
+    expected = combine(x[[0, 2, 3]], [100, 300, 400], "mean")
+    assert torch.allclose(held(x, w, rule="filtered_mean"), expected, atol=1e-9)
+    x = honest(4)  # nobody stands out: the mean of all
+    assert torch.allclose(held(x, w, rule="filtered_mean"), combine(x, w, "mean"), atol=1e-9)
+
+
+def test_the_filter_keeps_a_majority_and_drops_only_beyond_the_multiple() -> None:
+    assert kept_by_distance([1.0, 1.0, 1.0, 100.0], 2.0) == [1.0, 1.0, 1.0, 0.0]
+    assert kept_by_distance([1.0, 1.0, 3.9, 1.0], 2.0) == [1.0, 1.0, 1.0, 1.0]  # 1.97 < 2 x 1
+    assert kept_by_distance([1, 1, 1, 900, 400], 2.0) == [1.0, 1.0, 1.0, 0.0, 0.0]  # two far of five
+    # the median moves with them: 20 is not beyond 2 x 10 (squared distances in, distances compared)
+    assert kept_by_distance([1, 1, 100, 900, 400], 2.0) == [1.0, 1.0, 1.0, 0.0, 1.0]
+
+
 def test_fewer_sites_than_a_rule_needs_fall_back_to_clip() -> None:
     assert effective_rule("trimmed_mean", 2, 1) == "clip"
     assert effective_rule("trimmed_mean", 4, 2) == "clip"
     assert effective_rule("trimmed_mean", 3, 1) == "trimmed_mean"
     assert effective_rule("median", 2, 1) == "clip" and effective_rule("median", 3, 1) == "median"
+    assert effective_rule("filtered_mean", 2, 1) == "clip"
     # two sites: 2x the median of two norms is their sum, so clip at 2 leaves the mean
     x = honest(2)
     x[1] *= 100
     assert torch.allclose(held(x, [1, 3]), combine(x, [1, 3], "mean"), atol=1e-7)
 
 
-@pytest.mark.parametrize("rule", ["trimmed_mean", "median", "clip"])
+@pytest.mark.parametrize("rule", ["filtered_mean", "trimmed_mean", "median", "clip"])
 @pytest.mark.parametrize("attack", ["sign_flip", "constant", "noise"])
 def test_one_poisoning_site_of_four_is_outvoted(rule: str, attack: str) -> None:
     x = honest(4)
@@ -102,10 +126,12 @@ def test_one_poisoning_site_of_four_is_outvoted(rule: str, attack: str) -> None:
         assert (robust - good).norm() < 0.5 * good.norm()
 
 
-def test_a_held_round_is_processed_span_by_span_with_the_same_result() -> None:
+@pytest.mark.parametrize("rule", ["filtered_mean", "trimmed_mean"])
+def test_a_held_round_is_processed_span_by_span_with_the_same_result(rule: str) -> None:
     x, w = honest(4, n=3 * 70_000 + 5), [3, 1, 4, 1]
-    whole = held(x, w, rule="trimmed_mean")
-    agg = HeldContributions(x.shape[1], AggregationConfig())
+    x[2] *= -5
+    whole = held(x, w, rule=rule)
+    agg = HeldContributions(x.shape[1], AggregationConfig(rule=rule))
     for i, v in enumerate(x):
         agg.add(f"s{i}", v.clone(), w[i])
     agg.ready()
@@ -121,7 +147,9 @@ def test_config_names_the_bad_field() -> None:
         tiny_config(aggregation__trim=0)
     with pytest.raises(ConfigError, match=r"aggregation\.clip_multiple"):
         tiny_config(aggregation__clip_multiple=0.5)
-    assert tiny_config().aggregation.rule == "trimmed_mean"  # the default
+    with pytest.raises(ConfigError, match=r"aggregation\.filter_multiple"):
+        tiny_config(aggregation__filter_multiple=0.9)
+    assert tiny_config().aggregation.rule == "filtered_mean"  # the default
 
 
 def controller(run_dir: Path | None = None) -> RoundController:
@@ -148,7 +176,7 @@ async def test_nan_is_refused_and_a_restart_replays_the_robust_rounds(tmp_path: 
 
 def test_every_replica_agrees_with_the_default_rule_over_fragments() -> None:
     cfg = streaming_config(2, 1, sites=SITES, rounds=3, min_sites=4)
-    assert cfg.aggregation.rule == "trimmed_mean"
+    assert cfg.aggregation.rule == "filtered_mean"
     with coordinator_for(cfg) as coordinator:
         out = run_sites(coordinator)
         theta = coordinator.controller.theta()
