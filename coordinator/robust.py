@@ -34,13 +34,11 @@ median and filtered mean need every site's values and do not.
 from __future__ import annotations
 
 import math
+import mmap
 import statistics
 import tempfile
-import threading
 from pathlib import Path
-from typing import IO
 
-import numpy as np
 import torch
 
 from geodiloco.config import AggregationConfig
@@ -48,6 +46,7 @@ from geodiloco.coordinator.aggregator import Contribution, TensorContribution, W
 from geodiloco.coordinator.rounds_pool import WORKERS
 
 BLOCK = 1 << 16  # values per contribution in one step of a rule (sort and gather scratch: ~1 MB each)
+SAMPLED = 1 << 18  # coordinates at least on which filtered_mean measures distances (all of a smaller model)
 
 
 def clip_scales(sumsqs: list[float], multiple: float) -> list[float]:
@@ -68,8 +67,9 @@ def effective_rule(rule: str, count: int, trim: int) -> str:
 
 
 def kept_by_distance(squared: list[float], multiple: float) -> list[float]:
-    """1 for each contribution kept, 0 for one dropped: farther from the median than ``multiple``
-    x the median distance, at most the farthest ``(count - 1) // 2`` of them (a majority stays)."""
+    """1 for each contribution kept, 0 for one dropped, from their squared distances to the
+    coordinate-wise median: farther than ``multiple`` x the median distance, at most the
+    farthest ``(count - 1) // 2`` of them (a majority stays)."""
     distances = [math.sqrt(d) for d in squared]
     bound = multiple * statistics.median(distances)
     outliers = sorted((i for i, d in enumerate(distances) if d > bound), key=lambda i: -distances[i])
@@ -114,59 +114,75 @@ class HeldContributions:
 
     The same face as :class:`WeightedMean` to the round controller: :meth:`fold` as they come,
     :meth:`ready` when the round closes, :meth:`prepare` per span in the commit's workers (it
-    writes the aggregate into :attr:`total`; :attr:`divisor` is 1), :meth:`reset` after."""
+    writes the rule's aggregate into :attr:`total`), :meth:`reset` after. Beside the held copies
+    it folds the weighted sum as :class:`WeightedMean` does: where ``clip`` or ``filtered_mean``
+    changes nothing in a round (no norm beyond the bound, no contribution dropped: an honest
+    round), the round commits that sum, bit for bit what ``mean`` commits, with no pass more."""
 
     def __init__(self, numel: int, cfg: AggregationConfig, spill_dir: Path | None = None) -> None:
         self.numel = numel
         self.cfg = cfg
         self.spill_dir = spill_dir
-        self._files: list[IO[bytes]] = []
-        self._buffers: list[torch.Tensor] = []  # one per contribution, reused from round to round
-        self._total: torch.Tensor | None = None
-        self.weight = 0
-        self.contributors: list[str] = []
-        self.tokens: dict[str, int] = {}
-        self.weights: list[int] = []
+        self._maps: list[mmap.mmap] = []  # one per contribution, reused from round to round
+        self._buffers: list[torch.Tensor] = []  # their fp32 views
+        self.sum = WeightedMean(numel)  # Σ w_k Δ_k, folded as they come
         self.sumsqs: list[float] = []
+        self.weights: list[int] = []
         self.rule = cfg.rule  # this round's, once ready
         self.scales: list[float] | None = None
-        self._lock = threading.Lock()
+        self.passthrough = False  # the round commits the weighted sum (nothing clipped or dropped)
+
+    @property
+    def contributors(self) -> list[str]:
+        return self.sum.contributors
+
+    @property
+    def tokens(self) -> dict[str, int]:
+        return self.sum.tokens
+
+    @property
+    def weight(self) -> int:
+        return self.sum.weight
 
     @property
     def total(self) -> torch.Tensor:
-        if self._total is None:
-            self._total = torch.zeros(self.numel, dtype=torch.float32)
-        return self._total
+        return self.sum.total
 
     def _buffer(self, index: int) -> torch.Tensor:
         while len(self._buffers) <= index:
-            spill = tempfile.TemporaryFile(dir=self.spill_dir)  # noqa: SIM115 (kept open: unlinked, gone with us)
-            spill.truncate(self.numel * 4)
-            mapped = np.memmap(spill, dtype=np.float32, mode="r+", shape=(self.numel,))
-            self._files.append(spill)
-            self._buffers.append(torch.from_numpy(mapped))
+            with tempfile.TemporaryFile(dir=self.spill_dir) as spill:  # unlinked; the mapping stays
+                spill.truncate(self.numel * 4)
+                mapped = mmap.mmap(spill.fileno(), self.numel * 4)
+            self._maps.append(mapped)
+            self._buffers.append(torch.frombuffer(mapped, dtype=torch.float32))
         return self._buffers[index]
+
+    def _release(self, index: int, start: int, numel: int) -> None:
+        """Unmap a range of a held copy from this process once read or written: the page cache
+        keeps it (and the disk, under pressure), so the coordinator's resident memory stays at
+        contributions x span, not contributions x model."""
+        first = start * 4 // mmap.PAGESIZE * mmap.PAGESIZE
+        self._maps[index].madvise(mmap.MADV_DONTNEED, first, (start + numel) * 4 - first)
 
     def add(self, site: str, delta: torch.Tensor, tokens: int) -> None:
         self.fold(site, TensorContribution(delta), tokens)
 
     def fold(self, site: str, contribution: Contribution, tokens: int) -> None:
-        """Keep ``contribution`` (decoded, weight 1) for the close (worker thread)."""
+        """Keep ``contribution`` (decoded, weight 1) for the close and fold it into the weighted
+        sum (worker thread)."""
         if tokens <= 0:
             raise ValueError("a contribution needs a positive token count")
-        with self._lock:
-            buffer = self._buffer(len(self.contributors))
+        index = len(self.contributors)
+        buffer = self._buffer(index)
         contribution.fold_into(buffer, 1.0, first=True)
-        with self._lock:
-            self.weight += tokens
-            self.contributors.append(site)
-            self.tokens[site] = tokens
-            self.weights.append(tokens)
-            self.sumsqs.append(contribution.sumsq)
+        self._release(index, 0, self.numel)
+        self.sum.fold(site, contribution, tokens)
+        self.weights.append(tokens)
+        self.sumsqs.append(contribution.sumsq)
 
     def ready(self) -> None:
         """The round's contributions are all in: fix its rule, and clip's scales or which ones
-        filtered_mean keeps (a first pass over the spans, in the workers)."""
+        filtered_mean keeps (a first pass over the spans for their distances, in the workers)."""
         self.rule = effective_rule(self.cfg.rule, len(self.contributors), self.cfg.trim)
         self.scales = None
         if self.rule == "clip":
@@ -177,39 +193,54 @@ class HeldContributions:
             for part in WORKERS.map(lambda span: self._distances(*span), spans):
                 squared += part
             self.scales = kept_by_distance(squared.tolist(), self.cfg.filter_multiple)
+        self.passthrough = self.scales is not None and all(f == 1.0 for f in self.scales)
+
+    def _held(self, start: int, numel: int) -> torch.Tensor:
+        """Every held copy's values of a span (contributions x numel), then unmapped."""
+        values = torch.stack([h[start : start + numel] for h in self._buffers[: len(self.contributors)]])
+        for index in range(len(self.contributors)):
+            self._release(index, start, numel)
+        return values
 
     def _distances(self, start: int, numel: int) -> torch.Tensor:
-        """Each contribution's Σ (Δ - the coordinate-wise median)² over the span."""
-        values = torch.stack([h[start : start + numel] for h in self._buffers[: len(self.contributors)]])
-        center = combine(values, self.weights, "median")
-        return (values - center).double().square().sum(1)
+        """Each contribution's Σ (Δ - the coordinate-wise median)² over the span's sampled
+        coordinates (every ``stride``-th: the median is a sort per coordinate)."""
+        values = self._held(start, numel)[:, :: self.stride]
+        return (values - combine(values, self.weights, "median")).double().square().sum(1)
+
+    @property
+    def stride(self) -> int:
+        """Every how many coordinates filtered_mean measures the distances: at least ``SAMPLED``
+        coordinates, a power of two up to ``BLOCK`` (so that every block samples the same way)."""
+        return max(1, min(BLOCK, 1 << max(0, (self.numel // SAMPLED).bit_length() - 1)))
 
     def prepare(self, start: int, numel: int) -> None:
-        """Write the rule's aggregate of elements ``[start, start + numel)`` into :attr:`total`."""
+        """Write the rule's aggregate of elements ``[start, start + numel)`` into :attr:`total`
+        (nothing to do where the round commits the weighted sum)."""
+        if self.passthrough:
+            return
         out = self.total
-        held = self._buffers[: len(self.contributors)]
         for a in range(start, start + numel, BLOCK):
             b = min(a + BLOCK, start + numel)
-            values = torch.stack([h[a:b] for h in held])
-            out[a:b] = combine(values, self.weights, self.rule, self.cfg.trim, self.scales)
+            out[a:b] = combine(self._held(a, b - a), self.weights, self.rule, self.cfg.trim, self.scales)
 
     def mean(self) -> torch.Tensor:
         """The whole aggregate (tests, tools)."""
         self.ready()
         self.prepare(0, self.numel)
-        return self.total
+        return self.total.div_(self.divisor)
 
     @property
     def divisor(self) -> int:
-        if not self.weight:
-            raise ValueError("no contributions to average")
-        return 1
+        """The weight where the round commits the weighted sum, else 1 (the aggregate is written)."""
+        divisor = self.sum.divisor  # ValueError when nothing was folded
+        return divisor if self.passthrough else 1
 
     def reset(self) -> None:
         """Empty for the next round, keeping the files (the next round overwrites them)."""
-        self.weight = 0
-        self.contributors, self.tokens, self.weights, self.sumsqs = [], {}, [], []
-        self.rule, self.scales = self.cfg.rule, None
+        self.sum.reset()
+        self.weights, self.sumsqs = [], []
+        self.rule, self.scales, self.passthrough = self.cfg.rule, None, False
 
 
 def build_aggregate(

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from geodiloco.config import AggregationConfig, ConfigError
+from geodiloco.coordinator.aggregator import WeightedMean
 from geodiloco.coordinator.refusals import InvalidArgument
 from geodiloco.coordinator.robust import (
     HeldContributions,
@@ -86,12 +87,28 @@ def test_filtered_mean_drops_a_far_contribution_and_weighs_the_rest() -> None:
     assert torch.allclose(held(x, w, rule="filtered_mean"), combine(x, w, "mean"), atol=1e-9)
 
 
+@pytest.mark.parametrize("rule", ["filtered_mean", "clip"])
+def test_a_round_that_drops_and_clips_nothing_commits_the_means_bits(rule: str) -> None:
+    x, w = honest(4), [100, 200, 300, 400]
+    mean = WeightedMean(N)
+    for i, (v, weight) in enumerate(zip(x, w, strict=True)):
+        mean.add(f"s{i}", v, weight)
+    assert torch.equal(held(x, w, rule=rule), mean.mean())
+
+
 def test_the_filter_keeps_a_majority_and_drops_only_beyond_the_multiple() -> None:
     assert kept_by_distance([1.0, 1.0, 1.0, 100.0], 2.0) == [1.0, 1.0, 1.0, 0.0]
     assert kept_by_distance([1.0, 1.0, 3.9, 1.0], 2.0) == [1.0, 1.0, 1.0, 1.0]  # 1.97 < 2 x 1
     assert kept_by_distance([1, 1, 1, 900, 400], 2.0) == [1.0, 1.0, 1.0, 0.0, 0.0]  # two far of five
-    # the median moves with them: 20 is not beyond 2 x 10 (squared distances in, distances compared)
+    # squared distances in, distances compared: 20 is not beyond 2 x the median 10
     assert kept_by_distance([1, 1, 100, 900, 400], 2.0) == [1.0, 1.0, 1.0, 0.0, 1.0]
+
+
+def test_filtered_mean_samples_its_distances_on_a_large_model() -> None:
+    assert HeldContributions(1000, AggregationConfig()).stride == 1
+    assert HeldContributions(3 << 18, AggregationConfig()).stride == 2
+    assert HeldContributions(100_000_000, AggregationConfig()).stride == 256
+    assert HeldContributions(10**12, AggregationConfig()).stride == 1 << 16  # at most a block
 
 
 def test_fewer_sites_than_a_rule_needs_fall_back_to_clip() -> None:
