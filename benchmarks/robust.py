@@ -65,11 +65,18 @@ class Robust(Settings):
 
     rule: str = DEFAULT
     slow_link: bool = False
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # dotted keys: values
 
     def run_config(self) -> RunConfig:
         base = Settings.run_config(self).to_dict()
         base["run_id"] = "robust-bench"
         base["aggregation"] = {"rule": self.rule}
+        for key, value in self.overrides.items():
+            *parents, leaf = key.split(".")
+            node = base
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
         return RunConfig.from_dict(base)
 
 
@@ -152,15 +159,22 @@ def local_site(coordinator: LocalCoordinator, name: str, cfg: RunConfig) -> None
 class Runs:
     """The runs of one invocation, each run once: (rule, sites, attack or "") -> final eval loss."""
 
-    def __init__(self, root: Path, rounds: int, smoke: bool) -> None:
+    def __init__(self, root: Path, rounds: int, smoke: bool, overrides: dict[str, Any] | None = None) -> None:
         self.root, self.rounds, self.smoke = root, rounds, smoke
+        self.overrides = dict(overrides or {})
         self.losses: dict[tuple[str, int, str], float] = {}
         self.clean: dict[tuple[str, int, str], bool] = {}
 
     def loss(self, rule: str, sites: int, attack: str = "") -> float:
         key = (rule, sites, attack)
         if key not in self.losses:
-            settings = Robust(rounds=self.rounds, rule=rule, sites=site_names(sites), smoke=self.smoke)
+            settings = Robust(
+                rounds=self.rounds,
+                rule=rule,
+                sites=site_names(sites),
+                smoke=self.smoke,
+                overrides=self.overrides,
+            )
             cfg = settings.run_config()
             faults = [poison(attack, settings.sites[-1], cfg)] if attack else []
             workdir = self.root / f"{rule}-{sites}-{attack or 'honest'}"
@@ -172,13 +186,20 @@ class Runs:
 
 
 def poison_rows(
-    sites: int, smoke: bool, rounds: int | None = None, runs: Runs | None = None, root: Path | None = None
+    sites: int,
+    smoke: bool,
+    rounds: int | None = None,
+    runs: Runs | None = None,
+    root: Path | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per rule (the default, then ``mean``) and attack: ``sites`` sites of which the last
-    poisons, and ``honest_eval_loss`` of the same rule's run with the other ``sites - 1`` alone."""
+    poisons, and ``honest_eval_loss`` of the same rule's run with the other ``sites - 1`` alone.
+    ``overrides``: run-config values by dotted key (e.g. ``{"compression.uplink": "q8"}``) for
+    every run; ``root`` keeps the runs' files there."""
     if runs is None:
         with tempfile.TemporaryDirectory(prefix="geodiloco-robust-") as scratch:
-            made = Runs(root or Path(scratch), rounds or (2 if smoke else 16), smoke)
+            made = Runs(root or Path(scratch), rounds or (2 if smoke else 16), smoke, overrides)
             return poison_rows(sites, smoke, rounds, made)
     attacks = ATTACKS[:1] if smoke else ATTACKS
     return [
