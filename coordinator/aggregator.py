@@ -96,6 +96,10 @@ class WeightedMean:
     def prepare(self, start: int, numel: int) -> None:
         """Nothing: the sum of ``[start, start + numel)`` is complete as folded."""
 
+    def set_aside(self) -> dict[str, float]:
+        """Nothing is dropped or scaled down by the mean."""
+        return {}
+
     def mean(self) -> torch.Tensor:
         """The average, computed in place: the sum is gone afterwards (call :meth:`reset`)."""
         return self.mean_span(0, self.numel)

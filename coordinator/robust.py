@@ -195,6 +195,12 @@ class HeldContributions:
             self.scales = kept_by_distance(squared.tolist(), self.cfg.filter_multiple)
         self.passthrough = self.scales is not None and all(f == 1.0 for f in self.scales)
 
+    def set_aside(self) -> dict[str, float]:
+        """After :meth:`ready`: the contributions this round's rule dropped (0) or scaled down
+        (their factor), by contributor."""
+        scales = self.scales or []
+        return {name: round(f, 4) for name, f in zip(self.contributors, scales, strict=False) if f < 1.0}
+
     def _held(self, start: int, numel: int) -> torch.Tensor:
         """Every held copy's values of a span (contributions x numel), then unmapped."""
         values = torch.stack([h[start : start + numel] for h in self._buffers[: len(self.contributors)]])

@@ -127,6 +127,8 @@ class RoundRecord:
     pending: dict[str, Any] | None = None
     # the arrival lags the grace window measured in this round: a restart measures on from them
     lags: list[float] | None = None
+    # contributions the aggregation rule dropped (0) or scaled down (their factor): site or site@round
+    set_aside: dict[str, float] = field(default_factory=dict)
 
     @property
     def eval_loss(self) -> float:
@@ -199,6 +201,7 @@ class RoundController:
         self._commit_lock = asyncio.Lock()
         self._logged: int | None = None  # lines in the round log, once read
         self._round_tokens: dict[str, int] = {}
+        self._set_aside: dict[str, float] = {}  # what the last close's rule dropped or scaled down
         self.push_digests: dict[tuple[str, int], tuple[bytes, ...]] = {}  # (site, round) -> per part
         self._transfers: dict[str, int] = {}  # push and pull streams in flight, per site
         self._broken: dict[str, float] = {}  # when a site's last stream broke (see suspect_s)
@@ -734,7 +737,15 @@ class RoundController:
             update_bytes=update.payload_bytes,
             data=consumed,
             late=late,
+            set_aside=self._set_aside,
         )
+        if record.set_aside:
+            log.warning(
+                "round %d: aggregation.rule %s set aside %s (0: dropped, else scaled by)",
+                r,
+                self.cfg.aggregation.rule,
+                record.set_aside,
+            )
         self.history.append(record)
         self.round += 1
         self.late_keys, self.late_data, self.trained = {}, [], {}
@@ -809,6 +820,7 @@ class RoundController:
             if log_file is not None:
                 log_file.add(result[0])
             done.append(result)
+        self._set_aside = self.mean.set_aside()
         self.mean.reset()
         checksum = Checksum()
         for _, part, _ in done:
@@ -897,6 +909,7 @@ class RoundController:
             "data": record.data,
             "late": record.late,
             "pending": record.pending,
+            "set_aside": record.set_aside,
         }
 
     def snapshot(self) -> dict[str, Any]:

@@ -186,9 +186,15 @@ async def test_nan_is_refused_and_a_restart_replays_the_robust_rounds(tmp_path: 
         x[3] = -20 * x[3]  # site-d poisons
         for name, delta in zip(SITES, x, strict=True):
             await c.contribute(name, "", r, 192, delta)
-    assert c.round == 2
+    assert c.round == 2 and [h.set_aside for h in c.history] == [{"site-d": 0.0}] * 2  # dropped
     resumed = controller(tmp_path)  # replays the logged updates: the same θ, the same chain
     assert resumed.round == 2 and torch.equal(resumed.theta, c.theta) and resumed.hashes == c.hashes
+    assert [h.set_aside for h in resumed.history] == [{"site-d": 0.0}] * 2
+    for name in SITES:
+        await resumed.join(name, "")
+    for name, delta in zip(SITES, honest(4, seed=5), strict=True):  # an honest round: nothing aside
+        await resumed.contribute(name, "", 2, 192, delta)
+    assert resumed.round == 3 and resumed.history[2].set_aside == {}
 
 
 def test_every_replica_agrees_with_the_default_rule_over_fragments() -> None:
