@@ -209,15 +209,16 @@ class HeldContributions:
         return values
 
     def _distances(self, start: int, numel: int) -> torch.Tensor:
-        """Each contribution's Σ (Δ - the coordinate-wise median)² over the span's sampled
-        coordinates (every ``stride``-th: the median is a sort per coordinate)."""
-        values = self._held(start, numel)[:, :: self.stride]
+        """Each contribution's Σ (Δ - the coordinate-wise median)² over the block's sample: its
+        first 1 / ``stride`` (the median is a sort per coordinate; a contiguous sample reads only
+        its own pages of the held copies)."""
+        values = self._held(start, max(1, numel // self.stride))
         return (values - combine(values, self.weights, "median")).double().square().sum(1)
 
     @property
     def stride(self) -> int:
-        """Every how many coordinates filtered_mean measures the distances: at least ``SAMPLED``
-        coordinates, a power of two up to ``BLOCK`` (so that every block samples the same way)."""
+        """1 / the share of each block's coordinates filtered_mean measures the distances on: at
+        least ``SAMPLED`` coordinates in all, a power of two up to ``BLOCK``."""
         return max(1, min(BLOCK, 1 << max(0, (self.numel // SAMPLED).bit_length() - 1)))
 
     def prepare(self, start: int, numel: int) -> None:
