@@ -69,12 +69,13 @@ class Settings:
     smoke: bool = False
     slow_link: bool = True  # with faults: site-3 behind a slow link (benchmarks/hetero.py: only in c)
     timeout_s: float = 3000.0
+    sites: tuple[str, ...] = SITES  # benchmarks/robust.py: 3 or 4
 
     def run_config(self) -> RunConfig:
         return RunConfig.from_dict(
             {
                 "run_id": "chaos-bench",
-                "sites": list(SITES),
+                "sites": list(self.sites),
                 "rounds": self.rounds,
                 "seed": 0,
                 "lease_s": self.lease_s,
@@ -143,14 +144,14 @@ class Soak:
         self.serve_args = ["coordinator", "serve", "--config", str(config), "--port", str(self.port)]
         self.serve_args += ["--run-dir", str(self.run_dir), "--insecure"]
         self.proxies = {}
-        for name in SITES:
+        for name in settings.sites:
             slow = name == SLOW_SITE and bool(faults) and settings.slow_link and not settings.smoke
             mbps = slow_link_mbps(settings, self.cfg) if slow else 0.0
             link = LinkConfig(latency_ms=settings.latency_ms, bandwidth_mbps=mbps)
             self.proxies[name] = ProxyThread(self.target, link, control_port=0)
         self.links = {name: proxy.control_address for name, proxy in self.proxies.items()}
         self.commits: dict[int, float] = {}  # round -> when its commit was first seen
-        self.restarts = dict.fromkeys([*SITES, "coordinator"], 0)
+        self.restarts = dict.fromkeys([*settings.sites, "coordinator"], 0)
         self.coordinator_deaths: list[dict[str, float]] = []
 
     def env_faults(self) -> None:
@@ -190,7 +191,7 @@ class Soak:
         self.env_faults()
         self.started = time.monotonic()
         coordinator = self.start_coordinator()
-        sites = {name: self.start_site(name) for name in SITES}
+        sites = {name: self.start_site(name) for name in self.s.sites}
         death: dict[str, float] | None = None
         try:
             deadline = time.monotonic() + self.s.timeout_s

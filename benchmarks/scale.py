@@ -76,9 +76,10 @@ SITE_NICENESS = 10  # relative to the coordinator and the probe, where SCHED_IDL
 AUTOGROUP_NICENESS = 19  # of each site's session (lower_priority)
 
 
-def run_config(params: int, sites: int, rounds: int) -> RunConfig:
+def run_config(params: int, sites: int, rounds: int, rule: str | None = None) -> RunConfig:
     return RunConfig.from_dict(
         {
+            **({"aggregation": {"rule": rule}} if rule else {}),
             "run_id": "scale-bench",
             "sites": [f"site-{i}" for i in range(sites)],
             "min_sites": sites,  # every round is measured with every site in it
@@ -359,9 +360,9 @@ class Probe(threading.Thread):
             self.samples.append((began, time.time() - began))
 
 
-def run_case(params: int, sites: int, rounds: int, workdir: Path) -> dict[str, Any]:
+def run_case(params: int, sites: int, rounds: int, workdir: Path, rule: str | None = None) -> dict[str, Any]:
     workdir.mkdir(parents=True)
-    cfg = run_config(params, sites, rounds)
+    cfg = run_config(params, sites, rounds, rule)
     config, run_dir = workdir / "run.json", workdir / "coord"
     config.write_text(cfg.to_json())
     coordinator, target = start_coordinator(config, run_dir, workdir, "coordinator.log")
@@ -413,6 +414,7 @@ def run_case(params: int, sites: int, rounds: int, workdir: Path) -> dict[str, A
     return {
         "params": params,
         "sites": sites,
+        "rule": cfg.aggregation.rule,
         "overhead_s": round(statistics.median(periods or [ends[0] - per_site[0][0]["t0"]]), 3),
         "floor_s": round(statistics.median(floors), 3),
         "floor_samples_s": [round(f, 3) for f in floors],
@@ -471,7 +473,7 @@ def driver(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
         root = args.keep or Path(tmp)
         for i, (params, sites) in enumerate(cases):
-            row = run_case(params, sites, rounds, root / f"case-{i}")
+            row = run_case(params, sites, rounds, root / f"case-{i}", args.rule)
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.json:
@@ -489,6 +491,7 @@ def main() -> None:
     parser.add_argument("--site-params", type=int, default=100_000_000)
     parser.add_argument("--rounds", type=int, default=4, help="rounds per case (the first is left out)")
     parser.add_argument("--smoke", action="store_true", help="one 200k-parameter case: seconds")
+    parser.add_argument("--rule", help="aggregation.rule (default: the run config's default)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, help="default: the --json path with .png")
     parser.add_argument("--keep", type=Path, help="keep each case's logs and run directory here")

@@ -90,6 +90,16 @@ class WeightedMean:
         self.contributors.append(site)
         self.tokens[site] = tokens
 
+    def ready(self) -> None:
+        """The round's contributions are all in (nothing to do: the sum is complete)."""
+
+    def prepare(self, start: int, numel: int) -> None:
+        """Nothing: the sum of ``[start, start + numel)`` is complete as folded."""
+
+    def set_aside(self) -> dict[str, float]:
+        """Nothing is dropped or scaled down by the mean."""
+        return {}
+
     def mean(self) -> torch.Tensor:
         """The average, computed in place: the sum is gone afterwards (call :meth:`reset`)."""
         return self.mean_span(0, self.numel)

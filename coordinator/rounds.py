@@ -28,7 +28,7 @@ from geodiloco import faults
 from geodiloco.compression import EncodedChunk, ErrorFeedback, Place, parse_pipeline
 from geodiloco.compression.frames import chunk_ranges
 from geodiloco.config import RunConfig
-from geodiloco.coordinator.aggregator import Contribution, TensorContribution, WeightedMean, sum_of_squares
+from geodiloco.coordinator.aggregator import Contribution, TensorContribution, sum_of_squares
 from geodiloco.coordinator.durable import STATE_FILE, CorruptStateError, StateError, load_state, save_state
 from geodiloco.coordinator.grace import Arrival, GraceWindow
 from geodiloco.coordinator.journal import JsonLines
@@ -43,6 +43,7 @@ from geodiloco.coordinator.refusals import (
 )
 from geodiloco.coordinator.replay import apply_update
 from geodiloco.coordinator.reports import REPORT_LOG, HashReport, append_report, read_reports
+from geodiloco.coordinator.robust import build_aggregate
 from geodiloco.coordinator.rounds_pool import WORKERS
 from geodiloco.coordinator.rundir import ROUND_LOG as ROUND_LOG
 from geodiloco.coordinator.rundir import check_run_config
@@ -126,6 +127,8 @@ class RoundRecord:
     pending: dict[str, Any] | None = None
     # the arrival lags the grace window measured in this round: a restart measures on from them
     lags: list[float] | None = None
+    # contributions the aggregation rule dropped (0) or scaled down (their factor): site or site@round
+    set_aside: dict[str, float] = field(default_factory=dict)
 
     @property
     def eval_loss(self) -> float:
@@ -178,7 +181,7 @@ class RoundController:
         self.full_state_codec = parse_pipeline(FULL_STATE_CODEC)
         self.downlink_feedback = ErrorFeedback(self.num_params, cfg.compression.downlink_decay)
         self.sites = {name: SiteRecord(name, i) for i, name in enumerate(cfg.sites)}
-        self.mean = WeightedMean(self.num_params)
+        self.mean = build_aggregate(cfg.aggregation, self.num_params, run_dir)
         self.updates: dict[int, CommittedUpdate] = {}  # the latest; older ones are read from the log
         self.history: list[RoundRecord] = []
         self.hashes: dict[int, str] = {} if state is not None else {0: state_hash(self.theta)}
@@ -198,6 +201,7 @@ class RoundController:
         self._commit_lock = asyncio.Lock()
         self._logged: int | None = None  # lines in the round log, once read
         self._round_tokens: dict[str, int] = {}
+        self._set_aside: dict[str, float] = {}  # what the last close's rule dropped or scaled down
         self.push_digests: dict[tuple[str, int], tuple[bytes, ...]] = {}  # (site, round) -> per part
         self._transfers: dict[str, int] = {}  # push and pull streams in flight, per site
         self._broken: dict[str, float] = {}  # when a site's last stream broke (see suspect_s)
@@ -535,7 +539,9 @@ class RoundController:
             if round_ < self.round:
                 await self._merge_late(name, round_, tokens, delta, data, digest)
                 return True
-            self.check_data(name, self.data_for(name) if data is None else data)
+            trained = self.data_for(name) if data is None else data
+            self.check_data(name, trained)
+            tokens = self._ledger_weight(name, round_, tokens, trained)
             await asyncio.to_thread(self.mean.fold, name, delta, tokens)
             now = time.monotonic()
             first = self.firsts.setdefault(round_, now)
@@ -567,6 +573,7 @@ class RoundController:
                 f"but the ledger reserved {_ranges(held or [])}; rejoin"
             )
         stale = self.round - round_
+        tokens = self._ledger_weight(name, round_, tokens, held if data is None else data)
         weight = max(1, tokens // (1 + stale))
         key = f"{name}@{round_}"
         await asyncio.to_thread(self.mean.fold, key, delta, weight)
@@ -590,6 +597,24 @@ class RoundController:
             weight,
             stale,
         )
+
+    def _ledger_weight(self, name: str, round_: int, claimed: int, trained: list[DataRange] | None) -> int:
+        """What a contribution weighs: the tokens of the windows the ledger handed the site and it
+        trained (``data.tokens_per_item`` each), or its claim where that is less. A larger claim
+        is capped, not refused: refusing would throw away the windows it trained, and capping
+        leaves nothing to gain by inflating."""
+        given = sum(d.windows for d in trained or []) * self.cfg.item_tokens
+        if claimed <= given:
+            return claimed
+        log.warning(
+            "round %d: %s claims %d tokens, the ledger gave it %d for what it trained: weighed %d",
+            round_,
+            name,
+            claimed,
+            given,
+            given,
+        )
+        return max(1, given)
 
     def accepted_digest(self, name: str, round_: int) -> tuple[bytes, ...] | None:
         """The part digests of ``name``'s accepted push for ``round_``; None when not kept
@@ -712,7 +737,15 @@ class RoundController:
             update_bytes=update.payload_bytes,
             data=consumed,
             late=late,
+            set_aside=self._set_aside,
         )
+        if record.set_aside:
+            log.warning(
+                "round %d: aggregation.rule %s set aside %s (0: dropped, else scaled by)",
+                r,
+                self.cfg.aggregation.rule,
+                record.set_aside,
+            )
         self.history.append(record)
         self.round += 1
         self.late_keys, self.late_data, self.trained = {}, [], {}
@@ -767,10 +800,12 @@ class RoundController:
         A round costs a few passes over the model. Each encoded chunk goes to the round's log
         file as it comes, in order: the disk writes while the next chunks are computed."""
         feedback, total = self.downlink_feedback, self.mean.total
+        self.mean.ready()
         send_step = self.optimizer.send_step(total, self.mean.divisor, feedback.residual, feedback.decay)
 
         def one(span: tuple[int, int]) -> tuple[EncodedChunk, Checksum, float]:
             start, numel = span
+            self.mean.prepare(start, numel)  # a robust rule's aggregate of the span, into total
             send = send_step(total[start : start + numel], start)  # in the residual's span
             place = Place.span(round_, start, numel)
             payload, raw = self.downlink.roundtrip_raw(send, place)
@@ -785,6 +820,7 @@ class RoundController:
             if log_file is not None:
                 log_file.add(result[0])
             done.append(result)
+        self._set_aside = self.mean.set_aside()
         self.mean.reset()
         checksum = Checksum()
         for _, part, _ in done:
@@ -873,6 +909,7 @@ class RoundController:
             "data": record.data,
             "late": record.late,
             "pending": record.pending,
+            "set_aside": record.set_aside,
         }
 
     def snapshot(self) -> dict[str, Any]:

@@ -176,6 +176,7 @@ class FragmentSync:
         owners = owner.group.gather(mine)
         self.part, self.parts = sum(owners[: owner.group.rank]), sum(owners)
         self.tokens = 0  # trained since this fragment's last push
+        self.numel = 0  # the fragment's parameters, over every rank (set by attach)
         self.in_flight: InFlight | None = None
         self.digest_after = ""  # the snapshot's hash after the last merge
         self.as_pulled: ApplyAsPulled | None = None  # a single rank's pull, applied as it arrives
@@ -344,6 +345,8 @@ class FragmentSync:
             torch.sub(base, live, out=to_send[at : at + n].view(live.shape))
             at += n
         self.feedback.compensate(to_send, out=to_send)
+        if self.owner.tamper is not None:  # tests: a fault plan's poison replaces what is sent
+            self.owner.tamper(self.round, self.index, to_send, self.numel)
         segments = list(self.shards.wire_segments(self.owner.config.compression.chunk_elements))
         return DeltaEncoding(self.owner.uplink, self.round, to_send, segments, self.feedback.residual)
 
@@ -627,6 +630,9 @@ class OuterSync:
         self.merged: deque[Merged] = deque(maxlen=2 * outer.fragments)  # to report (rank 0)
         self.last_result: RoundResult | None = None
         self.sender = ThreadPoolExecutor(1, "outer-sync") if outer.overlap_steps else None
+        # tests: (round, fragment, values, fragment numel) -> None, may replace a push's values in
+        # place before encoding (the daemon sets a fault plan's poison here: faults.poison)
+        self.tamper: Callable[[int, int, torch.Tensor, int], None] | None = None
 
     @classmethod
     def over(cls, link: Link, data_parallel_size: int | None = None) -> OuterSync:
@@ -690,6 +696,7 @@ class OuterSync:
                     ParameterSubset([named[i] for i in members]), self.group.rank, self.group.world
                 )
             self.fragments.append(FragmentSync(self, index, members, shards, self.states[index]))
+            self.fragments[-1].numel = plan.numel(index)
         for f in self.fragments:
             if f.digest() != f.state_hash:
                 f.reload()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import functools
 import gc
 import json
 import logging
@@ -214,6 +215,7 @@ def train(
     model = build_model(cfg).to(device)
     trained = parallelize(model, layout, mesh)
     sync.attach(model)
+    sync.tamper = functools.partial(faults.poison, site, rank)  # tests: a fault plan's poison, if any
     if rank == 0:
         log.info("layout: %s on %s", layout_summary(layout), device.type)
     optimizer = build_optimizer(model, cfg)

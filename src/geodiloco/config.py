@@ -84,6 +84,10 @@ class DataConfig:
     eval_fraction: float = 0.05
     eval_sequences: int = 192
     batch_size: int = 8  # per rank
+    # what one ledger item (window) weighs in the average: a site's weight is the tokens of the
+    # windows the ledger handed it and it trained, never more than that (a larger claim is
+    # capped); 0: model.seq_len with the reference data, 1 (the items) with one's own data
+    tokens_per_item: int = 0
 
     def __post_init__(self) -> None:
         _require(self.max_bytes >= 0, "data.max_bytes", f"must be >= 0 (0: all), got {self.max_bytes}")
@@ -95,6 +99,11 @@ class DataConfig:
         _require(self.eval_sequences > 0, "data.eval_sequences", "must be > 0")
         _require(self.shards > 0, "data.shards", f"must be > 0, got {self.shards}")
         _require(self.batch_size > 0, "data.batch_size", f"must be > 0, got {self.batch_size}")
+        _require(
+            0 <= self.tokens_per_item <= 1 << 30,
+            "data.tokens_per_item",
+            f"must be in [0, {1 << 30}] (0: model.seq_len or 1), got {self.tokens_per_item}",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -223,6 +232,50 @@ class GraceConfig:
         _require(0 <= self.margin < float("inf"), "grace.margin", f"must be >= 0, got {self.margin}")
         _require(0 <= self.floor_s < float("inf"), "grace.floor_s", f"must be >= 0, got {self.floor_s}")
         _require(self.rounds >= 1, "grace.rounds", f"must be >= 1, got {self.rounds}")
+
+
+AGGREGATION_RULES = ("mean", "clip", "trimmed_mean", "median", "filtered_mean")
+
+
+@dataclass(kw_only=True, slots=True)
+class AggregationConfig:
+    """How the coordinator combines the sites' pseudo-gradients, per fragment
+    (:mod:`geodiloco.coordinator.robust`).
+
+    ``mean``: the token-weighted mean. ``clip``: each Δ_k scaled down to at most
+    ``clip_multiple`` x the round's median site norm, then the weighted mean. ``trimmed_mean``:
+    per coordinate, the ``trim`` lowest and highest values dropped, the weighted mean of the rest.
+    ``median``: per coordinate, the weighted median. ``filtered_mean``: the contributions farther
+    from the coordinate-wise median than ``filter_multiple`` x the median distance dropped (at
+    most a minority), the weighted mean of the rest. ``trimmed_mean`` needs ``2 x trim + 1``
+    contributions, ``median`` and ``filtered_mean`` 3; a round with fewer uses ``clip``."""
+
+    rule: str = "filtered_mean"  # survives one poisoning site of four; honest runs: the mean's loss
+    clip_multiple: float = 2.0
+    trim: int = 1
+    filter_multiple: float = 2.0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.rule in AGGREGATION_RULES,
+            "aggregation.rule",
+            f"unknown value {self.rule!r}; accepted: {', '.join(AGGREGATION_RULES)}",
+        )
+        _require(
+            1.0 <= self.clip_multiple < float("inf"),
+            "aggregation.clip_multiple",
+            f"must be >= 1 (a multiple of the median site norm), got {self.clip_multiple}",
+        )
+        _require(
+            1.0 <= self.filter_multiple < float("inf"),
+            "aggregation.filter_multiple",
+            f"must be >= 1 (a multiple of the median distance), got {self.filter_multiple}",
+        )
+        _require(
+            isinstance(self.trim, int) and self.trim >= 1,
+            "aggregation.trim",
+            f"must be an integer >= 1 (values dropped at each end), got {self.trim!r}",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -363,6 +416,7 @@ class RunConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
 
     def __post_init__(self) -> None:
@@ -448,6 +502,13 @@ class RunConfig:
                     f"is read only by the reference data; workload.data {self.workload.data} does not "
                     "read it (put your data's settings in workload.options)",
                 )
+
+    @property
+    def item_tokens(self) -> int:
+        """The tokens one ledger item weighs (``data.tokens_per_item`` resolved)."""
+        if self.data.tokens_per_item:
+            return self.data.tokens_per_item
+        return self.model.seq_len if self.workload.data == REFERENCE_BUILDERS["data"] else 1
 
     @property
     def quorum(self) -> int:

@@ -26,7 +26,13 @@ same kind). Actions:
   inner step is followed by a sleep of ``factor - 1`` times its own duration), as a site on
   older accelerators or shared with other jobs would; it stays in effect across the site's
   restarts (it is the site's hardware, not an event), and is recorded once when it first
-  takes effect.
+  takes effect;
+- ``poison``: from its round on (placed ``at`` "push"), every rank of the site replaces what it
+  pushes, after error feedback and before encoding, by a hostile pseudo-gradient of ``mode``:
+  ``sign_flip`` (Δ times ``-factor``), ``noise`` (Gaussian noise of L2 norm ``norm`` over each
+  fragment, a different draw per round, fragment and rank) or ``constant`` (every element
+  ``value``), as a broken or Byzantine site would (for robust aggregation, ``aggregation.rule``);
+  like a slow, it is a state of the site and stays in effect across its restarts.
 
 Link faults go to the site's ``geodiloco wan`` proxy through its control port (``links`` in the
 plan). Each fault fires once per plan, even across restarts of the site or the coordinator:
@@ -50,18 +56,23 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 log = logging.getLogger("geodiloco.faults")
 
 FAULT_PLAN_ENV = "GEODILOCO_FAULT_PLAN"
-ACTIONS = ("kill", "raise", "partition", "delay", "drop", "slow")
+ACTIONS = ("kill", "raise", "partition", "delay", "drop", "slow", "poison")
+POISON_MODES = ("sign_flip", "noise", "constant")
 TARGETS = ("site", "coordinator")
 POINTS = ("step", "push", "pull", "commit")
 LINK_ACTIONS = ("partition", "delay", "drop")  # sent to the site's WAN proxy
@@ -92,7 +103,10 @@ class Fault:
     target: str = "site"  # kill only: the site itself, or the coordinator
     seconds: float = 0.0  # partition and delay: how long
     delay_ms: float = 0.0  # delay: extra one-way latency
-    factor: float = 1.0  # slow: how many times slower every inner step of the site becomes
+    factor: float = 1.0  # slow: how many times slower every inner step becomes; poison sign_flip: Δ x -factor
+    mode: str = ""  # poison: sign_flip, noise or constant
+    norm: float = 0.0  # poison noise: the noise's L2 norm over a fragment
+    value: float = 0.0  # poison constant: every element's value
 
     def __post_init__(self) -> None:
         def require(ok: bool, name: str, message: str) -> None:
@@ -126,8 +140,56 @@ class Fault:
                 "factor",
                 f"a slow needs a factor in (1, {MAX_SLOWDOWN}], got {self.factor!r}",
             )
+        elif self.action == "poison":
+            self._check_poison(require)
         else:
             require(self.factor == 1.0, "factor", f"only a slow takes a factor, not a {self.action}")
+        if self.action != "poison":
+            require(not self.mode, "mode", f"only a poison takes a mode, not a {self.action}")
+            for name in ("norm", "value"):
+                require(
+                    getattr(self, name) == 0.0, name, f"only a poison takes a {name}, not a {self.action}"
+                )
+
+    def _check_poison(self, require: Callable[[bool, str, str], None]) -> None:
+        require(self.at == "push", "at", 'a poison acts on the pushes: place it at "push"')
+        require(self.chunk == 0, "chunk", "a poison acts on whole pushes: chunk must be 0")
+        modes = ", ".join(POISON_MODES)
+        require(self.mode in POISON_MODES, "mode", f"unknown {self.mode!r}; accepted: {modes}")
+        numeric = isinstance(self.factor, (int, float)) and math.isfinite(self.factor)
+        if self.mode == "sign_flip":
+            require(
+                numeric and self.factor > 0, "factor", f"a sign_flip needs a factor > 0, got {self.factor!r}"
+            )
+        else:
+            require(self.factor == 1.0, "factor", f"only a sign_flip poison takes a factor, not {self.mode}")
+        finite_norm = isinstance(self.norm, (int, float)) and math.isfinite(self.norm)
+        if self.mode == "noise":
+            require(
+                finite_norm and self.norm > 0, "norm", f"a noise poison needs a norm > 0, got {self.norm!r}"
+            )
+        else:
+            require(self.norm == 0.0, "norm", f"only a noise poison takes a norm, not {self.mode}")
+        finite_value = isinstance(self.value, (int, float)) and math.isfinite(self.value)
+        if self.mode == "constant":
+            require(
+                finite_value and self.value != 0,
+                "value",
+                f"a constant poison needs a finite value != 0, got {self.value!r}",
+            )
+        else:
+            require(self.value == 0.0, "value", f"only a constant poison takes a value, not {self.mode}")
+
+    def poison(self, values: torch.Tensor, numel: int, seed: int) -> None:
+        """Replace ``values`` (a rank's part of a fragment of ``numel`` elements) in place by this
+        poison's hostile pseudo-gradient; ``seed`` draws the noise."""
+        if self.mode == "sign_flip":
+            values.mul_(-self.factor)
+        elif self.mode == "constant":
+            values.fill_(self.value)
+        else:
+            noise = torch.randn(values.shape, generator=torch.Generator().manual_seed(seed))
+            values.copy_(noise.mul_(self.norm / math.sqrt(max(numel, 1))))
 
     @property
     def position(self) -> tuple[int, int]:
@@ -218,9 +280,13 @@ class FaultInjector:
         self.records.mkdir(exist_ok=True)
         self.site, self.rank = site, rank
         faults = enumerate(self.plan.faults)
-        self.pending = [(i, f) for i, f in faults if f.action != "slow" and self._fires(f, site, rank)]
-        # a slow is a state of the whole site: every rank keeps to it, the named rank records it
+        states = ("slow", "poison")
+        self.pending = [(i, f) for i, f in faults if f.action not in states and self._fires(f, site, rank)]
+        # a slow or a poison is a state of the whole site: every rank keeps to it, the named rank records it
         self.slows = [(i, f) for i, f in enumerate(self.plan.faults) if f.action == "slow" and f.site == site]
+        self.poisons = [
+            (i, f) for i, f in enumerate(self.plan.faults) if f.action == "poison" and f.site == site
+        ]
         self.sleep = time.sleep  # tests: what a slowed step waits with
 
     @staticmethod
@@ -251,6 +317,16 @@ class FaultInjector:
         if fault.rank == self.rank and self._claim(index, fault, round_, step):
             log.warning("fault plan: slow x%g from round %d step %d", fault.factor, round_, step)
         return fault.factor
+
+    def poisoning(self, round_: int) -> Fault | None:
+        """The latest-placed poison in effect at ``round_``'s push, or None."""
+        effective = [(f.round, i, f) for i, f in self.poisons if f.round <= round_]
+        if not effective:
+            return None
+        _, index, fault = max(effective)
+        if fault.rank == self.rank and self._claim(index, fault, round_, 0):
+            log.warning("fault plan: poison (%s) from round %d", fault.mode, round_)
+        return fault
 
     def stretch(self, round_: int, step: int, elapsed_s: float) -> float:
         """After inner step ``step`` of ``round_`` took ``elapsed_s``: wait out the rest of a slow
@@ -318,6 +394,18 @@ def stretch(site: str, rank: int, round_: int, step: int, elapsed_s: float) -> N
     path = os.environ.get(FAULT_PLAN_ENV)
     if path:
         _injector(path, site, rank).stretch(round_, step, elapsed_s)
+
+
+def poison(site: str, rank: int, round_: int, fragment: int, values: torch.Tensor, numel: int) -> None:
+    """A site's hook on what a rank pushes for ``fragment`` in ``round_`` (``values``, its part
+    of the fragment's ``numel`` elements, after error feedback): a plan's poison in effect there
+    replaces it in place; without a plan, nothing."""
+    path = os.environ.get(FAULT_PLAN_ENV)
+    if not path:
+        return
+    fault = _injector(path, site, rank).poisoning(round_)
+    if fault is not None:
+        fault.poison(values, numel, seed=(round_ * 1_000_003 + fragment) * 65_537 + rank)
 
 
 def at_commit(round_: int) -> None:

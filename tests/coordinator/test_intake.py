@@ -101,7 +101,8 @@ def test_an_abandoned_attempt_leaves_nothing_and_its_late_chunks_are_dropped() -
 
 def test_compressed_staging_never_folds_a_broken_push() -> None:
     # site-b is live: the round stays open; plain q8 so that a frame can be poisoned by hand
-    cfg = tiny_config(round_timeout_s=60.0, compression__uplink=PLAIN)
+    # the mean's sum, folded as pushes complete, is what this checks
+    cfg = tiny_config(round_timeout_s=60.0, compression__uplink=PLAIN, aggregation__rule="mean")
     with CoordinatorThread(cfg) as coordinator:
         c = coordinator.controller
         n = c.num_params

@@ -27,6 +27,7 @@ def controller(max_staleness: int, run_dir: Path | None = None) -> RoundControll
     cfg = tiny_config(
         min_sites=1,
         limits__max_delta_norm_ratio=0.0,
+        data__tokens_per_item=100,  # the ledger's 12 windows weigh 1200 tokens: the claims are the weights
         outer__max_staleness=max_staleness,
         rounds=6,
         snapshot_every=100,  # with a run directory: a restart replays every round

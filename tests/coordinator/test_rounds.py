@@ -23,7 +23,9 @@ N = 1000
 
 
 def controller(tmp_path: Path | None = None, **overrides: object) -> RoundController:
-    cfg = tiny_config(**{"round_timeout_s": 0.2, "limits__max_delta_norm_ratio": 0.0, **overrides})
+    # the ledger's 12 windows a round weigh 1200 tokens: the claims below (<= 1200) are the weights
+    settings = {"round_timeout_s": 0.2, "limits__max_delta_norm_ratio": 0.0, "data__tokens_per_item": 100}
+    cfg = tiny_config(**{**settings, **overrides})
     return RoundController(cfg, torch.zeros(N), [1000] * cfg.data.shards, tmp_path)
 
 

@@ -36,7 +36,7 @@ class Blocks(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen))
 
 
-TOKENS = 100
+TOKENS = 64  # a step of tiny_config's data (4 x 16): what the ledger weighs; a larger claim is capped
 
 
 def coordinator_for(cfg: RunConfig) -> LocalCoordinator:
