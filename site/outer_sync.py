@@ -555,13 +555,19 @@ class RoundClock:
     """Rounds by time (``inner.round_seconds``): when this rank's window of the round closed.
 
     Synced blocking in one fragment, a round ends at the first step after the window (checked
-    every step). Streaming fragments need their push and merge steps fixed when the round
-    starts, so there the round's step count H is the window over the last round's measured step
-    time, which scales every fragment's offsets with it (at least P × (τ + 1) steps)."""
+    every step). Streaming fragments (or one fragment overlapped with τ steps) need their push
+    and merge steps fixed when the round starts, so there the round's step count H is the window
+    over the measured time of a training step, which scales every fragment's offsets with it (at
+    least P × (τ + 1) steps). The step time leaves out the time the outer sync held the training
+    (``waited``): a fast site that waited for a slow one must not shrink its next round to the
+    slow one's steps, or it would wait again. A site's first round has no step time yet: its H
+    is set at its second step, from the time of that step."""
 
     seconds: float
     cap: Schedule  # steps_per_round: the most steps a round trains (the windows reserved)
     started: float = 0.0
+    waited: float = 0.0  # seconds of this round the outer sync held the training
+    measured: bool = False  # a step time is known (streaming: the schedule follows it)
 
     def __post_init__(self) -> None:
         self.restart()
@@ -575,19 +581,27 @@ class RoundClock:
         return self.cap.fragments == 1 and not self.cap.overlap
 
     def restart(self) -> None:
-        self.started = time.monotonic()
+        self.started, self.waited = time.monotonic(), 0.0
 
     def window_closed(self) -> bool:
         return time.monotonic() - self.started >= self.seconds
 
-    def next_schedule(self, steps_done: int) -> Schedule:
-        """The schedule of the round starting now (rank 0's is broadcast); restarts the clock."""
-        elapsed, self.started = time.monotonic() - self.started, time.monotonic()
+    def scaled(self, steps_done: int, later: int = 0) -> Schedule:
+        """The cap with H = the window over the step time of the ``steps_done`` steps so far,
+        every fragment's push at least ``later`` steps after the round's start."""
         if self.ends_on_time or steps_done <= 0:
             return self.cap
-        low = self.cap.fragments * (self.cap.overlap + 1)
-        steps = max(low, min(self.cap.steps, round(self.seconds * steps_done / max(elapsed, 1e-9))))
+        self.measured = True
+        training = max(time.monotonic() - self.started - self.waited, 1e-9)
+        low = self.cap.fragments * (self.cap.overlap + 1 + later)
+        steps = max(low, min(self.cap.steps, round(self.seconds * steps_done / training)))
         return dataclasses.replace(self.cap, steps=steps)
+
+    def next_schedule(self, steps_done: int) -> Schedule:
+        """The schedule of the round starting now (rank 0's is broadcast); restarts the clock."""
+        schedule = self.scaled(steps_done)
+        self.restart()
+        return schedule
 
 
 class OuterSync:
@@ -730,12 +744,18 @@ class OuterSync:
         ends = self.clock.by_time and self.clock.ends_on_time and at < self.schedule.steps
         if ends and self.group.sum(int(self.clock.window_closed())):
             self.schedule = dataclasses.replace(self.schedule, steps=at)
+        if at == 2 and self.clock.by_time and not self.clock.ends_on_time and not self.clock.measured:
+            # a first round's H, from its second step (its clock started after the first): no
+            # fragment's push before it, and the window counted from the first step as ever
+            self.schedule = self.group.broadcast(self.clock.scaled(1, later=1))
+        held = time.monotonic()
         for f in self.fragments:
             f.tokens += tokens
             if f.in_flight is not None and at == self.schedule.merge_step(f.index):
                 f.land()
             elif not f.finished and at == self.schedule.push_step(f.index):
                 f.sync_now() if self.sender is None else f.send()
+        self.clock.waited += time.monotonic() - held
         if at < self.schedule.steps:
             return False
         self._close_round()
@@ -745,11 +765,13 @@ class OuterSync:
         """Sync every fragment now, blocking (a fragment in flight lands first), and close the round."""
         if not self.fragments:
             raise RuntimeError("call attach(model) before syncing")
+        held = time.monotonic()
         for f in self.fragments:
             if f.in_flight is not None:
                 f.land()
             elif not f.finished:
                 f.sync_now()
+        self.clock.waited += time.monotonic() - held
         return self._close_round()
 
     def drain(self) -> None:
@@ -779,10 +801,12 @@ class OuterSync:
     def _close_round(self) -> RoundResult:
         last = self.fragments[-1]
         self.round, self.finished = last.round, all(f.finished for f in self.fragments)
-        tokens = self.tokens_in_round
+        tokens, steps, waited = self.tokens_in_round, self.steps_in_round, self.clock.waited
         if self.clock.by_time:  # the next round's steps: up to the window, or as measured (streaming)
             schedule = self.clock.next_schedule(self.steps_in_round)
             self.schedule = schedule if self.clock.ends_on_time else self.group.broadcast(schedule)
+        else:
+            self.clock.restart()
         self.steps_in_round = self.tokens_in_round = 0
         # one fragment: its hash is the whole snapshot's, computed when it merged
         digest = (
@@ -791,7 +815,9 @@ class OuterSync:
             else self.digest(self.snapshot)
         )
         # after a resync the state is that of a later round than the one this site trained
-        self.last_result = RoundResult(last.round - 1, digest, tokens, self.finished)
+        self.last_result = result = RoundResult(last.round - 1, digest, tokens, self.finished)
+        if self.group.rank == 0:  # the time not trained: what a slow site cost (benchmarks/hetero.py)
+            log.info("round %d closed: %d steps, the outer sync held them %.3fs", result.round, steps, waited)
         return self.last_result
 
     def call(self, fn: Callable[[], T]) -> tuple[T | None, Outcome]:

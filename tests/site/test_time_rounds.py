@@ -47,6 +47,19 @@ def test_the_clock_scales_a_streaming_round_with_the_measured_step_time() -> Non
     assert not blocking.window_closed()
 
 
+def test_the_clock_leaves_out_the_time_the_outer_sync_held_the_training() -> None:
+    """A fast site that waited for a slow one at the end of its round: its next round follows
+    its own step time, not the slow site's (which its wall time would give, and keep it waiting)."""
+    clock = RoundClock(1.0, Schedule(64, 1, 2))
+    assert not clock.measured
+    clock.started -= 1.0  # 10 steps, and 0.5 s of it waiting for the round's update
+    clock.waited = 0.5
+    assert clock.next_schedule(10).steps == 20 and clock.measured
+    assert clock.waited == 0.0  # a new round waits afresh
+    clock.started -= 100.0  # a first round's H from one step: every push at least a step in
+    assert clock.scaled(1, later=1) == Schedule(4, 1, 2)  # P x (τ + 2): pushed at step 2, merged at 4
+
+
 def test_the_ledger_consumes_the_trained_part_and_gives_back_the_rest() -> None:
     ledger = DataLedger.create([100] * 4, ["a", "b"])
     a, b = ledger.reserve("a", 20), ledger.reserve("b", 20)
@@ -110,20 +123,23 @@ async def test_a_restart_that_replays_a_round_by_time_hands_its_untrained_window
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("overlap", [0, 1])
 def test_a_two_rank_site_ends_its_rounds_on_the_clock_with_its_ranks_agreed(
-    rank_pool: RankPool, tmp_path: Path
+    rank_pool: RankPool, tmp_path: Path, overlap: int
 ) -> None:
     """A site of two real gloo ranks trains until the round's window closes (far fewer steps
     than the cap of steps_per_round): a rank that stopped a step earlier or later than the other
     would push other windows and tokens than its peer, which the coordinator refuses (or the
     ranks' collectives would hang); every round takes the site's push, in whole steps of both
-    ranks."""
+    ranks. Blocking, the ranks agree at every step; overlapped, on rank 0's H (the first round's
+    at its second step)."""
     cfg = tiny_config(
         rounds=2,
         sites=["site-a"],
         min_sites=1,
         inner__steps_per_round=400,
         inner__round_seconds=0.3,
+        outer__overlap_steps=overlap,
         data__batch_size=2,
         limits__max_delta_norm_ratio=0.0,  # hundreds of steps of a tiny model move it far
     )
@@ -136,10 +152,56 @@ def test_a_two_rank_site_ends_its_rounds_on_the_clock_with_its_ranks_agreed(
             windows = sum(d[3] - d[2] for d in h.data)
             steps, rest = divmod(windows, 2 * cfg.data.batch_size)
             assert rest == 0 and 1 <= steps < cfg.inner.steps_per_round  # on the clock, whole steps
-            assert h.tokens == windows * cfg.model.seq_len  # both ranks' tokens, summed once
+            # both ranks' tokens, summed once; overlapped, those since the last push (τ steps of
+            # each round are pushed with the next, so the first round's push has τ steps fewer)
+            shift = overlap * 2 * cfg.data.batch_size if h.round == 0 else 0
+            assert h.tokens == (windows - shift) * cfg.model.seq_len
         assert c.sites["site-a"].rejected == 0 and c.sites["site-a"].late == 0
         consumed = list(c.ledger.consumed)
         assert check_exactly_once(consumed, [s.size for s in c.ledger.shards], c.ledger.pending()) == []
+
+
+@pytest.mark.parametrize(("fragments", "overlap"), [(1, 2), (2, 1)])
+def test_overlapped_rounds_by_time_fit_each_site_s_speed_with_every_replica_identical(
+    fragments: int, overlap: int
+) -> None:
+    """Rounds by time with the exchange overlapping τ steps (what benchmarks/hetero.py's mode
+    b runs): each site's H follows its own step time, a site 3x slower trains fewer steps a
+    round while the fast ones train on (the step time leaves out their waits), the first round
+    too; every replica holds the coordinator's θ and every window is trained once."""
+    cfg = tiny_config(
+        rounds=4,
+        min_sites=3,
+        sites=["site-a", "site-b", "site-c"],
+        inner__steps_per_round=60,
+        inner__round_seconds=0.12,
+        outer__fragments=fragments,
+        outer__overlap_steps=overlap,
+        limits__max_delta_norm_ratio=0.0,
+    )
+    steps: dict[str, list[int]] = {name: [] for name in cfg.sites}
+
+    def hook(name: str) -> Callable[[OuterSync, int], None]:
+        def at(sync: OuterSync, step: int) -> None:
+            if sync.steps_in_round == 0 and step:
+                steps[name].append(step)  # the steps trained before each round after the first
+            time.sleep(0.012 if name == "site-c" else 0.004)
+
+        return at
+
+    with local_runs.coordinator_for(cfg) as coordinator:
+        out = local_runs.run_sites(coordinator, {name: hook(name) for name in cfg.sites})
+        theta = coordinator.controller.theta()
+        for site in out.values():
+            assert torch.equal(local_runs.global_snapshot(site["sync"]), theta)
+        for c in coordinator.controller.fragments:
+            assert [h.round for h in c.history] == list(range(cfg.rounds))
+            assert all(h.hashes_agree for h in c.history)
+        ledger = coordinator.controller.primary.ledger
+        assert check_exactly_once(ledger.consumed, [10_000] * cfg.data.shards, ledger.pending()) == []
+    fast, slow = steps["site-a"][0], steps["site-c"][0]  # the first round: on the clock, not the cap
+    assert slow < fast < cfg.inner.steps_per_round
+    assert steps["site-a"][-1] > 1.5 * steps["site-c"][-1]  # the fast sites' rounds did not shrink
 
 
 def test_the_lr_schedule_counts_the_steps_a_site_really_trained() -> None:
