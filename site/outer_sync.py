@@ -552,16 +552,20 @@ def _digest(shards: ShardMap, group: SiteGroup, tensors: list[torch.Tensor] | No
 
 @dataclass(slots=True)
 class RoundClock:
-    """Rounds by time (``inner.round_seconds``): when this rank's window of the round closed.
+    """Rounds by time (``inner.round_seconds``): when this rank's window of the round closes.
 
-    Synced blocking in one fragment, a round ends at the first step after the window (checked
-    every step). Streaming fragments (or one fragment overlapped with τ steps) need their push
-    and merge steps fixed when the round starts, so there the round's step count H is the window
-    over the measured time of a training step, which scales every fragment's offsets with it (at
-    least P × (τ + 1) steps). The step time leaves out the time the outer sync held the training
-    (``waited``): a fast site that waited for a slow one must not shrink its next round to the
-    slow one's steps, or it would wait again. A site's first round has no step time yet: its H
-    is set at its second step, from the time of that step."""
+    In one fragment the push is decided step by step: at the first step after which the window
+    closes within τ more steps at the round's step time (τ = 0, blocking: has closed), and the
+    round ends τ steps later, when the update is merged. Every site so pushes about τ of its own
+    steps before its window ends and ends its round with it, whatever its speed, and the commit
+    and the pull hide behind those τ steps. Streaming fragments need their push and merge steps
+    fixed when the round starts, so there the round's step count H is the window over the
+    measured step time, which scales every fragment's offsets with it (at least P × (τ + 1)
+    steps); a site's first round has no step time yet, and takes its H at its second step.
+
+    The step time leaves out the time the outer sync held the training (``waited``): a fast
+    site that waited for a slow one must not shrink its rounds to the slow one's steps, or it
+    would wait again."""
 
     seconds: float
     cap: Schedule  # steps_per_round: the most steps a round trains (the windows reserved)
@@ -577,19 +581,23 @@ class RoundClock:
         return self.seconds > 0
 
     @property
-    def ends_on_time(self) -> bool:
-        return self.cap.fragments == 1 and not self.cap.overlap
+    def on_the_clock(self) -> bool:
+        """One fragment: its push is decided step by step (else H is fixed at the round's start)."""
+        return self.cap.fragments == 1
 
     def restart(self) -> None:
         self.started, self.waited = time.monotonic(), 0.0
 
-    def window_closed(self) -> bool:
-        return time.monotonic() - self.started >= self.seconds
+    def window_closes(self, steps_done: int) -> bool:
+        """Whether the window closes within τ more steps at the step time of the ``steps_done``
+        steps so far (τ = 0: whether it has closed)."""
+        training = time.monotonic() - self.started - self.waited
+        return training * (steps_done + self.cap.overlap) >= self.seconds * steps_done
 
     def scaled(self, steps_done: int, later: int = 0) -> Schedule:
         """The cap with H = the window over the step time of the ``steps_done`` steps so far,
         every fragment's push at least ``later`` steps after the round's start."""
-        if self.ends_on_time or steps_done <= 0:
+        if self.on_the_clock or steps_done <= 0:
             return self.cap
         self.measured = True
         training = max(time.monotonic() - self.started - self.waited, 1e-9)
@@ -739,12 +747,14 @@ class OuterSync:
         self.steps_trained += 1
         self.tokens_in_round += tokens
         at = self.steps_in_round
-        # a round by time, synced blocking, ends at the first step after its window on any
-        # rank's clock (an all-reduce of one flag per step), so every rank agrees
-        ends = self.clock.by_time and self.clock.ends_on_time and at < self.schedule.steps
-        if ends and self.group.sum(int(self.clock.window_closed())):
-            self.schedule = dataclasses.replace(self.schedule, steps=at)
-        if at == 2 and self.clock.by_time and not self.clock.ends_on_time and not self.clock.measured:
+        # a round by time in one fragment pushes at the first step after which its window
+        # closes within τ steps on any rank's clock (an all-reduce of one flag per step), so
+        # every rank agrees, and ends τ steps later (blocking: at once)
+        overlap = self.schedule.overlap
+        decides = self.clock.by_time and self.clock.on_the_clock and at < self.schedule.steps - overlap
+        if decides and self.group.sum(int(self.clock.window_closes(at))):
+            self.schedule = dataclasses.replace(self.schedule, steps=at + overlap)
+        if at == 2 and self.clock.by_time and not self.clock.on_the_clock and not self.clock.measured:
             # a first round's H, from its second step (its clock started after the first): no
             # fragment's push before it, and the window counted from the first step as ever
             self.schedule = self.group.broadcast(self.clock.scaled(1, later=1))
@@ -804,7 +814,7 @@ class OuterSync:
         tokens, steps, waited = self.tokens_in_round, self.steps_in_round, self.clock.waited
         if self.clock.by_time:  # the next round's steps: up to the window, or as measured (streaming)
             schedule = self.clock.next_schedule(self.steps_in_round)
-            self.schedule = schedule if self.clock.ends_on_time else self.group.broadcast(schedule)
+            self.schedule = schedule if self.clock.on_the_clock else self.group.broadcast(schedule)
         else:
             self.clock.restart()
         self.steps_in_round = self.tokens_in_round = 0

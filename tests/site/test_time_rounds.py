@@ -43,21 +43,35 @@ def test_the_clock_scales_a_streaming_round_with_the_measured_step_time() -> Non
     clock.started -= 100.0  # very slow steps: at least P x (τ + 1) steps, and the offsets with them
     assert clock.next_schedule(1).steps == 4
     blocking = RoundClock(1.0, Schedule(40, 1, 0))
-    assert blocking.ends_on_time and blocking.next_schedule(10).steps == 40  # ends on the clock
-    assert not blocking.window_closed()
+    assert blocking.on_the_clock and blocking.next_schedule(10).steps == 40  # decided step by step
+    assert not blocking.window_closes(10)
+    blocking.started -= 1.0
+    assert blocking.window_closes(10)
+
+
+def test_one_fragment_overlapped_pushes_when_its_window_closes_within_tau_steps() -> None:
+    """The push τ steps before the window's end at the round's step time, whatever the site's
+    speed: every site ends its round with its window, and the exchange hides behind τ steps."""
+    clock = RoundClock(1.0, Schedule(64, 1, 4))
+    clock.started -= 0.5  # 8 steps in 0.5 s: the window closes 8 steps from now
+    assert not clock.window_closes(8)
+    clock.started -= 0.2  # 8 steps in 0.7 s: within 4 more
+    assert clock.window_closes(8)
+    clock.waited = 0.3  # but 0.3 s of it was the outer sync's, not training
+    assert not clock.window_closes(8)
 
 
 def test_the_clock_leaves_out_the_time_the_outer_sync_held_the_training() -> None:
     """A fast site that waited for a slow one at the end of its round: its next round follows
     its own step time, not the slow site's (which its wall time would give, and keep it waiting)."""
-    clock = RoundClock(1.0, Schedule(64, 1, 2))
+    clock = RoundClock(1.0, Schedule(64, 2, 2))
     assert not clock.measured
     clock.started -= 1.0  # 10 steps, and 0.5 s of it waiting for the round's update
     clock.waited = 0.5
     assert clock.next_schedule(10).steps == 20 and clock.measured
     assert clock.waited == 0.0  # a new round waits afresh
     clock.started -= 100.0  # a first round's H from one step: every push at least a step in
-    assert clock.scaled(1, later=1) == Schedule(4, 1, 2)  # P x (τ + 2): pushed at step 2, merged at 4
+    assert clock.scaled(1, later=1) == Schedule(8, 2, 2)  # P x (τ + 2): fragment 0 pushed at step 2
 
 
 def test_the_ledger_consumes_the_trained_part_and_gives_back_the_rest() -> None:
