@@ -9,8 +9,10 @@ a site that falls behind and arrives late widens it for the rounds after.
 
 Waiting is worth it only while it is short against the round: a site whose lag is beyond the
 *bound* (``grace.max_share`` of the sites' training time, from a round's opening to its first
-contribution, the median of recent rounds; at least ``grace.floor_s``) would make every other
-site idle that long per round. Its lag does not widen the window, the window never exceeds the
+contribution, the median of recent rounds; at least ``grace.floor_s``; by default 0.5 in
+rounds by time and none in step rounds, where a slower site is late by design and waiting for
+it keeps its whole contribution in its round) would make every other site idle that long per
+round. Its lag does not widen the window, the window never exceeds the
 bound, and once its pushes came beyond it in two rounds in a row, the round is not held open
 for that site at all until a push of it comes within the bound again: it closes on the others
 (at least the quorum), and the straggler's push is merged late (``outer.max_staleness``).
@@ -54,6 +56,7 @@ class GraceWindow:
 
     cfg: GraceConfig
     timeout_s: float  # round_timeout_s: the bound, and the window until arrivals are measured
+    by_time: bool = False  # inner.round_seconds > 0: grace.max_share's default is on
     rounds: deque[list[float]] = field(init=False)  # lags after the first arrival, per round
     trained: deque[float] = field(init=False)  # per round, from its opening to its first arrival
     pending: list[Arrival] = field(default_factory=list)  # late lags, counted with the next round
@@ -69,14 +72,14 @@ class GraceWindow:
     @property
     def bounded(self) -> bool:
         """Whether the bound applies: on, and the sites' training time measured."""
-        return self.cfg.adaptive and self.cfg.max_share > 0 and bool(self.trained)
+        return self.cfg.adaptive and self.cfg.share(self.by_time) > 0 and bool(self.trained)
 
     @property
     def bound_s(self) -> float:
         """The longest wait worth the others' time (``timeout_s`` until training is measured)."""
         if not self.bounded:
             return self.timeout_s
-        share = self.cfg.max_share * quantile(list(self.trained), 0.5)
+        share = self.cfg.share(self.by_time) * quantile(list(self.trained), 0.5)
         return min(self.timeout_s, max(self.cfg.floor_s, share))
 
     @property

@@ -185,7 +185,8 @@ class RoundController:
         self.hashes: dict[int, str] = {} if state is not None else {0: state_hash(self.theta)}
         self.theta_norm = math.sqrt(sum_of_squares(self.theta))
         self.round_opened = time.monotonic()
-        self.grace = GraceWindow(cfg.grace, cfg.round_timeout_s)  # the deadline, from recent arrivals
+        by_time = cfg.inner.round_seconds > 0  # the grace window's bound is on by default
+        self.grace = GraceWindow(cfg.grace, cfg.round_timeout_s, by_time)  # the deadline, from arrivals
         self.arrivals: list[Arrival] = []  # the open round's, in order
         self.firsts: dict[int, float] = {}  # recent rounds' first arrivals (deadlines, late lags)
         self.late_keys: dict[str, list[Any]] = {}  # the open round's late merges: key -> record

@@ -55,6 +55,19 @@ def test_the_window_adapts_up_to_late_arrivals_and_down_when_they_stop() -> None
     assert grace.window_s == pytest.approx(0.1 * 2 + 0.25) and grace.window_s < up
 
 
+def test_the_bound_is_on_by_default_in_rounds_by_time_only() -> None:
+    """Step rounds: a slower site is a whole training time late by design, and waiting for it
+    keeps its contribution in its round; rounds by time: a late site is a hiccup or a slow link."""
+    by_steps = GraceWindow(GraceConfig(), timeout_s=60.0)
+    by_time = GraceWindow(GraceConfig(), timeout_s=60.0, by_time=True)
+    for grace in (by_steps, by_time):
+        for _ in range(2):
+            grace.closed(arrivals(0.0, 0.1, 5.0), quorum=2, trained_s=4.0)
+    assert not by_steps.bounded and by_steps.stragglers == set()
+    assert by_time.bound_s == 2.0 and by_time.stragglers == {"site-2"}
+    assert GraceConfig(max_share=0.5).share(False) == 0.5 and GraceConfig(max_share=0.0).share(True) == 0.0
+
+
 def test_a_site_beyond_the_bound_is_not_waited_for_until_it_comes_within_it_again() -> None:
     """The bound: max_share of the sites' training time per round (median of recent rounds),
     at least floor_s. A chronically late site (a slow link) neither widens the window nor holds
@@ -140,7 +153,7 @@ async def test_the_controller_closes_without_a_straggler_and_merges_its_push_lat
         ("margin", -1.0, "grace.margin: must be >= 0"),
         ("floor_s", -0.5, "grace.floor_s: must be >= 0"),
         ("rounds", 0, "grace.rounds: must be >= 1"),
-        ("max_share", -0.5, "grace.max_share: must be >= 0"),
+        ("max_share", -0.5, "grace.max_share: must be >= 0 or null"),
         ("adaptive", "yes", "grace.adaptive: expected true or false"),
     ],
 )
