@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from geodiloco.config import GraceConfig
@@ -63,6 +64,7 @@ class GraceWindow:
     waited_for: list[Arrival] = field(default_factory=list)  # the last round's, after its quorum
     beyond: dict[str, int] = field(default_factory=dict)  # rounds in a row beyond the bound, per site
     judged: set[str] = field(default_factory=set)  # sites found beyond it in the open round
+    missed: set[str] = field(default_factory=set)  # waited for past the bound by the last round
     stragglers: set[str] = field(default_factory=set)  # not waited for
 
     def __post_init__(self) -> None:
@@ -95,18 +97,34 @@ class GraceWindow:
         """``site``'s push came ``after_s`` after its round's first one, once the round had closed:
         judged at once, so that the open round holds on for it again, or no longer does."""
         self.pending.append(Arrival(site, after_s))
-        self._judge(site, after_s, self._bound())
+        bound = self._bound()
+        if after_s > bound and site in self.missed:  # its round counted it already
+            self.missed.discard(site)
+            return
+        self._judge(site, after_s, bound)
 
-    def closed(self, arrivals: list[Arrival], quorum: int, trained_s: float | None = None) -> None:
+    def closed(
+        self,
+        arrivals: list[Arrival],
+        quorum: int,
+        trained_s: float | None = None,
+        missing: Collection[str] = (),
+        open_s: float = 0.0,
+    ) -> None:
         """A round committed with these arrivals (in order): measure them, and remember which
         contributions the round stayed open for after it had its quorum. ``trained_s``: from
         the round's opening to its first arrival (None: not a measure of training, e.g. the
-        run's first round, which includes the start-up)."""
+        run's first round, which includes the start-up). ``missing``: the sites it waited for
+        that did not come in the ``open_s`` it stayed open after its first arrival (past the
+        bound: beyond it, as a site whose push never comes, e.g. over a link too slow for it)."""
         if trained_s is not None:
             self.trained.append(max(trained_s, 0.0))
         bound = self._bound()
         for a in arrivals:  # beyond the bound only where the round waited for its quorum
             self._judge(a.site, a.after_s, bound)
+        self.missed = {site for site in missing if open_s > bound}  # else it may yet come within
+        for site in self.missed:
+            self._judge(site, open_s, bound)
         lags = [a.after_s for a in arrivals[1:] + self.pending]
         self.pending, self.judged = [], set()
         self.rounds.append([lag for lag in lags if lag <= bound])

@@ -730,8 +730,10 @@ class RoundController:
         first = self.firsts.get(r)  # the first round's opening is the start-up: not training
         trained = first - self.round_opened if first is not None and r > 0 else None
         record.trained_s = None if trained is None else round(trained, 4)
+        missing = self.live_sites() - set(contributors) - self.grace.stragglers
+        open_s = started - first if first is not None else 0.0
         self.round_opened = time.monotonic()
-        self.grace.closed(self.arrivals, self.cfg.quorum, trained)
+        self.grace.closed(self.arrivals, self.cfg.quorum, trained, missing, open_s)
         record.lags = [round(lag, 4) for lag in self.grace.rounds[-1]]
         self.arrivals = []
         for old in [k for k in self.firsts if k < self.round - KEEP_DIGESTS]:

@@ -89,6 +89,13 @@ def test_a_site_beyond_the_bound_is_not_waited_for_until_it_comes_within_it_agai
     assert grace.stragglers == set()
     grace.closed(arrivals(0.0, 0.1), quorum=2, trained_s=2.0)
     assert grace.rounds[-1] == [0.1, 0.4]
+    grace.closed(arrivals(0.0, 0.1), quorum=1, trained_s=2.0, missing={"site-3"}, open_s=0.5)
+    assert "site-3" not in grace.beyond  # gone 0.5 s, within the bound: it may yet come
+    grace.closed(arrivals(0.0, 0.1), quorum=1, trained_s=2.0, missing={"site-3"}, open_s=1.5)
+    grace.late("site-3", 4.0)  # the push it missed that round with: counted once
+    assert grace.beyond["site-3"] == 1 and grace.stragglers == set()
+    grace.closed(arrivals(0.0, 0.1), quorum=1, trained_s=2.0, missing={"site-3"}, open_s=1.5)
+    assert grace.stragglers == {"site-3"}  # a site whose pushes never come (a slow link, a stall)
     grace.closed(arrivals(0.0, 0.1), quorum=1, trained_s=0.01)  # short rounds: floor_s at least
     grace.closed(arrivals(0.0, 0.1), quorum=1, trained_s=0.01)
     assert grace.bound_s == ADAPTIVE.floor_s and grace.window_s <= ADAPTIVE.floor_s
