@@ -2,8 +2,8 @@
 2x slower by a fault plan's ``slow``, side by side in one invocation:
 
 - ``a`` step rounds as before (``steps_per_round`` steps, late pushes dropped, fixed deadline);
-- ``b`` rounds by time (``inner.round_seconds``: the time the fast sites trained ``a``'s steps
-  per round in, from their logs)
+- ``b`` rounds by time (``inner.round_seconds``: the fast sites' median time from a commit to
+  their next push in ``a``, their round less its exchange)
   with late merging (``outer.max_staleness`` 2) and the adaptive grace window, the exchange
   overlapping three quarters of each site's window (``outer.overlap_steps`` = 3/4 of the cap
   ``inner.steps_per_round``: a site pushes a quarter into its window, trains the rest of it and
@@ -75,7 +75,6 @@ MARGIN = 2.0  # b and c get this many times the rounds that should spend a's bud
 LINE = re.compile(r"^(\S+ \S+) .*round (\d+)(?:: accepted (\S+) \(| committed)")
 PUSH = re.compile(r"round \d+: pushing (\d+) tokens")
 HELD = re.compile(r"round (\d+) closed: (\d+) steps, the outer sync held them (\S+)s")
-DONE = re.compile(r"round (\d+) done: train loss")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -226,24 +225,12 @@ def at_budget(row: dict[str, Any], budget: int) -> None:
         print(f"mode {row['mode']}: {tokens[-1][0]} tokens, short of the budget {budget}", file=sys.stderr)
 
 
-def round_seconds_of(workdir: Path, steps: int) -> float:
-    """The time the fast sites train ``steps`` steps in: their median step time, from their
-    logs (a round's close less the end of the last round's evaluation, less the time the outer
-    sync held the training, over its steps), as a round by time counts its window."""
-    per_step = []
-    for site in FAST:
-        closed: dict[int, tuple[float, int, float]] = {}
-        done: dict[int, float] = {}
-        for line in (workdir / f"{site}.log").read_text(errors="replace").splitlines():
-            at = line[:23]
-            if (m := HELD.search(line)) is not None:
-                closed[int(m.group(1))] = (stamp(at), int(m.group(2)), float(m.group(3)))
-            elif (m := DONE.search(line)) is not None:
-                done[int(m.group(1))] = stamp(at)
-        for r, (end, n, held) in closed.items():
-            if r - 1 in done and n:
-                per_step.append((end - done[r - 1] - held) / n)
-    return steps * statistics.median(per_step) if per_step else 1.0
+def round_seconds_of(workdir: Path) -> float:
+    """The fast sites' median time from a commit to their next push in ``a``: a fast site's round
+    less its exchange, which a window by time overlaps with training."""
+    commits, accepted = times(workdir / "coordinator.log")
+    lags = [t - commits[r - 1] for (r, site), t in accepted.items() if site in FAST and r - 1 in commits]
+    return statistics.median(lags) if lags else 1.0
 
 
 ROW = (
@@ -274,7 +261,7 @@ def main() -> None:
         root = args.keep or Path(scratch)
         a = run_mode("a", step_rounds, [], root / "a")
         budget = a["_details"]["tokens_committed"]
-        seconds = round(round_seconds_of(root / "a", steps), 3)
+        seconds = round(round_seconds_of(root / "a"), 3)
         # the fast sites train about a's steps per round, the slow one half as many
         more = math.ceil(MARGIN * rounds * len(SITES) / (len(FAST) + 1 / SLOWDOWN))
         overlap = 3 * steps  # 3/4 of each site's window overlaps the exchange (of the cap, 4 x steps)
