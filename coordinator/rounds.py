@@ -129,6 +129,7 @@ class RoundRecord:
     lags: list[float] | None = None
     # contributions the aggregation rule dropped (0) or scaled down (their factor): site or site@round
     set_aside: dict[str, float] = field(default_factory=dict)
+    trained_s: float | None = None  # from the round's opening to its first contribution (the same)
 
     @property
     def eval_loss(self) -> float:
@@ -187,7 +188,8 @@ class RoundController:
         self.hashes: dict[int, str] = {} if state is not None else {0: state_hash(self.theta)}
         self.theta_norm = math.sqrt(sum_of_squares(self.theta))
         self.round_opened = time.monotonic()
-        self.grace = GraceWindow(cfg.grace, cfg.round_timeout_s)  # the deadline, from recent arrivals
+        by_time = cfg.inner.round_seconds > 0  # the grace window's bound is on by default
+        self.grace = GraceWindow(cfg.grace, cfg.round_timeout_s, by_time)  # the deadline, from arrivals
         self.arrivals: list[Arrival] = []  # the open round's, in order
         self.firsts: dict[int, float] = {}  # recent rounds' first arrivals (deadlines, late lags)
         self.late_keys: dict[str, list[Any]] = {}  # the open round's late merges: key -> record
@@ -269,7 +271,7 @@ class RoundController:
         self.history.append(record)
         self.ledger.replay(r, record.data, record.pending)
         if record.lags is not None:
-            self.grace.rounds.append(record.lags)
+            self.grace.restore(record.lags, record.trained_s)
         for name, tokens in update.record.get("tokens_by_site", {}).items():
             if name in self.sites:
                 site = self.sites[name]
@@ -583,7 +585,7 @@ class RoundController:
             self.late_data.append([name, d.shard, d.start, d.end, d.epoch])
         first = self.firsts.get(round_)
         if first is not None:
-            self.grace.late(time.monotonic() - first)
+            self.grace.late(name, time.monotonic() - first)
         record = self.sites[name]
         record.late_merged, record.tokens = record.late_merged + 1, record.tokens + tokens
         if digest is not None:
@@ -642,7 +644,7 @@ class RoundController:
         if isinstance(reason, LateContribution):
             record.late += 1
             if reason.after_s is not None:  # the grace window was too short for it: measured
-                self.grace.late(reason.after_s)
+                self.grace.late(name, reason.after_s)
             log.info("round %d: dropped a late contribution from %s", self.round, name)
         else:
             record.rejected += 1
@@ -656,7 +658,7 @@ class RoundController:
         contributed = set(self.mean.contributors) - set(self.late_keys)
         if self.finished or len(contributed) < self.cfg.quorum:
             return False
-        waited_for = self.live_sites() if self.history else set(self.sites)
+        waited_for = self.live_sites() - self.grace.stragglers if self.history else set(self.sites)
         return waited_for <= contributed or self.overdue(now)
 
     def overdue(self, now: float) -> bool:
@@ -676,7 +678,7 @@ class RoundController:
     @property
     def waiting_for(self) -> list[str]:
         """The live sites the open round still waits for."""
-        waited = self.live_sites() if self.history else set(self.sites)
+        waited = self.live_sites() - self.grace.stragglers if self.history else set(self.sites)
         return sorted(waited - set(self.mean.contributors))  # late merges are keyed site@round
 
     async def _maybe_close(self) -> None:
@@ -758,8 +760,13 @@ class RoundController:
             del self.push_digests[key]
         if not self.finished:
             self._reserve_next_round()
+        first = self.firsts.get(r)  # the first round's opening is the start-up: not training
+        trained = first - self.round_opened if first is not None and r > 0 else None
+        record.trained_s = None if trained is None else round(trained, 4)
+        missing = self.live_sites() - set(contributors) - self.grace.stragglers
+        open_s = started - first if first is not None else 0.0
         self.round_opened = time.monotonic()
-        self.grace.closed(self.arrivals, self.cfg.quorum)
+        self.grace.closed(self.arrivals, self.cfg.quorum, trained, missing, open_s)
         record.lags = [round(lag, 4) for lag in self.grace.rounds[-1]]
         self.arrivals = []
         for old in [k for k in self.firsts if k < self.round - KEEP_DIGESTS]:
@@ -944,7 +951,7 @@ class RoundController:
         self.history = [RoundRecord(**h) for h in state["history"]]
         for h in self.history[-self.cfg.grace.rounds :]:  # the grace window as it was, not the bound
             if h.lags is not None:
-                self.grace.rounds.append(h.lags)
+                self.grace.restore(h.lags, h.trained_s)
         for h in self.history[-KEEP_DIGESTS:]:  # to tell a merged push's retry from a late push
             for name, trained, _, _ in h.late:
                 self.merged_late[(name, trained)] = h.round

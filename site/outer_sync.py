@@ -152,7 +152,7 @@ class InFlight:
     chunks: DeltaEncoding
     tokens: int
     data: list[DataRange] | None
-    result: Future[tuple[PulledPart | None, Outcome, str | None]]
+    result: Future[tuple[PulledPart | None, Outcome, str | None, float]]  # ..., when it came in
 
 
 class FragmentSync:
@@ -241,23 +241,25 @@ class FragmentSync:
 
     def _push_and_pull(
         self, round_: int, chunks: DeltaEncoding, tokens: int, data: list[DataRange] | None
-    ) -> tuple[PulledPart | None, Outcome, str | None]:
+    ) -> tuple[PulledPart | None, Outcome, str | None, float]:
         """The optimistic exchange, on the sender thread: push, pull and, on a site of one rank
         (no collectives needed), decode into the snapshot and hash it; the training thread only
-        touches this fragment's snapshot again when it lands. Ranks agree on the outcome then."""
+        touches this fragment's snapshot again when it lands. Ranks agree on the outcome then.
+        Also returns when the update came in."""
         outcome = Outcome.OK
         if chunks:
             _, outcome = self.owner.call(lambda: self._push(round_, chunks, tokens, data))
         pulled, digest = None, None
         if outcome is Outcome.OK:
             pulled, outcome = self.owner.call(functools.partial(self.pull, round_, False))
+        arrived = time.monotonic()
         chunks.finish()
         if pulled is not None and self.group.world == 1:
             digest, outcome = self.owner.call(lambda: self.apply(pulled))
             if outcome is not Outcome.OK:  # the snapshot may be half updated: take the full state
-                return None, Outcome.RESYNC, None
+                return None, Outcome.RESYNC, None, arrived
             digest = digest or self.digest(self.snapshot)
-        return pulled, outcome, digest
+        return pulled, outcome, digest, arrived
 
     def land(self) -> None:
         """Merge the fragment sent τ steps ago: its pull if it went well on every rank, else the
@@ -265,10 +267,11 @@ class FragmentSync:
         flight, self.in_flight = self.in_flight, None
         assert flight is not None
         round_, tokens = flight.round, flight.tokens
-        pulled, outcome, decoded = flight.result.result()
+        pulled, outcome, decoded, arrived = flight.result.result()
         outcome = self.group.agree(outcome)
         if outcome is Outcome.OK and self._agreed(pulled):
             assert pulled is not None
+            self.owner.clock.arrived = arrived  # the next window starts there (rounds by time)
             if not self._has_data(pulled):
                 log.warning("%s: no data assigned (lease lapsed); rejoining", self.name(round_))
                 pulled = dataclasses.replace(pulled, data=self.rejoin()[1])
@@ -555,42 +558,105 @@ def _digest(shards: ShardMap, group: SiteGroup, tensors: list[torch.Tensor] | No
 
 @dataclass(slots=True)
 class RoundClock:
-    """Rounds by time (``inner.round_seconds``): when this rank's window of the round closed.
+    """Rounds by time (``inner.round_seconds`` t): where this rank's window of the round ends.
 
-    Synced blocking in one fragment, a round ends at the first step after the window (checked
-    every step). Streaming fragments need their push and merge steps fixed when the round
-    starts, so there the round's step count H is the window over the last round's measured step
-    time, which scales every fragment's offsets with it (at least P × (τ + 1) steps)."""
+    Blocking, a window counts training only: from the start of the round's first step (what the
+    loop does between rounds, e.g. evaluating, is not in it), and the round ends at the first
+    step past t. Step times leave out the time the outer sync held the training (``waited``: a
+    fast site that waited for a slow one must not take the slow one's step time for its own).
+
+    With τ = ``outer.overlap_steps`` of H = ``inner.steps_per_round``, the exchange overlaps
+    τ/H of each site's window, in time, whatever its speed. In one fragment the push is decided
+    step by step, at the first step past (1 − τ/H)·t, and the steps left to the window's end at
+    the round's step time (one at least) are trained while the push, the commit and the pull
+    run. A window then starts when the last round's update came in (a site still training the
+    steps its last push named counts them in the new window): every site sees a commit at about
+    the same time, so every site pushes at about the same time, and a site that fell behind
+    catches up in one round instead of keeping the others waiting at every round.
+
+    Streaming fragments need their push and merge steps fixed when the round starts, so there
+    the round's step count is the window over the last round's step time (a site's first round:
+    its first step's, at its second step), which scales every fragment's offsets and its overlap
+    with it (at least P × (τ' + 1) steps)."""
 
     seconds: float
     cap: Schedule  # steps_per_round: the most steps a round trains (the windows reserved)
-    started: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.restart()
+    started: float | None = None  # the end of the round's first step (step times count from it)
+    waited: float = 0.0  # seconds of this round the outer sync held the training
+    step_s: float | None = None  # the last measured step time
+    anchor: float | None = None  # where the window starts, when not at the round's first step
+    arrived: float | None = None  # when the update of the round in flight came in: the next anchor
 
     @property
     def by_time(self) -> bool:
         return self.seconds > 0
 
     @property
-    def ends_on_time(self) -> bool:
-        return self.cap.fragments == 1 and not self.cap.overlap
+    def on_the_clock(self) -> bool:
+        """One fragment: its push is decided step by step (else H is fixed at the round's start)."""
+        return self.cap.fragments == 1
+
+    @property
+    def overlap_share(self) -> float:
+        return self.cap.overlap / self.cap.steps
 
     def restart(self) -> None:
-        self.started = time.monotonic()
+        """A round starts: its window from the update's arrival, or else its first step."""
+        self.started, self.waited = None, 0.0
+        self.anchor, self.arrived = self.arrived, None
 
-    def window_closed(self) -> bool:
-        return time.monotonic() - self.started >= self.seconds
+    def tick(self) -> None:
+        """A step ended (call it before the step's outer sync)."""
+        if self.started is None:
+            self.started = time.monotonic()
+
+    def step_time(self, steps_done: int) -> float | None:
+        """This round's step time after ``steps_done`` steps (the last round's after one)."""
+        if self.started is not None and steps_done >= 2:
+            training = time.monotonic() - self.started - self.waited
+            self.step_s = max(training, 1e-9) / (steps_done - 1)
+        return self.step_s
+
+    def elapsed(self, steps_done: int) -> float | None:
+        """The seconds of the window gone after ``steps_done`` steps (None: no step time yet)."""
+        step = self.step_time(steps_done)
+        if step is None or self.started is None:
+            return None
+        if self.anchor is not None:
+            return time.monotonic() - self.anchor
+        return step * steps_done
+
+    def push_due(self, steps_done: int) -> bool:
+        """Whether the window's overlapped part (blocking: its end) has come."""
+        elapsed = self.elapsed(steps_done)
+        return elapsed is not None and elapsed >= self.seconds * (1 - self.overlap_share)
+
+    def steps_left(self, steps_done: int) -> int:
+        """The steps to train after the push, to the window's end at the step time (one at least;
+        none blocking). Rank 0's is broadcast."""
+        elapsed = self.elapsed(steps_done)
+        if not self.cap.overlap or elapsed is None or self.step_s is None:
+            return 0
+        return max(1, round((self.seconds - elapsed) / self.step_s))
+
+    def scaled(self, steps_done: int, later: int = 0) -> Schedule:
+        """The cap with H = the window over the step time after ``steps_done`` steps and τ scaled
+        with it, every fragment's push at least ``later`` steps after the round's start."""
+        step = self.step_time(steps_done)
+        if self.on_the_clock or step is None:
+            return self.cap
+        steps = round(self.seconds / step)
+        overlap = max(1, round(self.cap.overlap * steps / self.cap.steps)) if self.cap.overlap else 0
+        overlap = min(overlap, self.cap.overlap)
+        low = self.cap.fragments * (overlap + 1 + later)
+        steps = max(low, min(self.cap.steps, steps))
+        return Schedule(steps, self.cap.fragments, overlap)
 
     def next_schedule(self, steps_done: int) -> Schedule:
         """The schedule of the round starting now (rank 0's is broadcast); restarts the clock."""
-        elapsed, self.started = time.monotonic() - self.started, time.monotonic()
-        if self.ends_on_time or steps_done <= 0:
-            return self.cap
-        low = self.cap.fragments * (self.cap.overlap + 1)
-        steps = max(low, min(self.cap.steps, round(self.seconds * steps_done / max(elapsed, 1e-9))))
-        return dataclasses.replace(self.cap, steps=steps)
+        schedule = self.scaled(steps_done)
+        self.restart()
+        return schedule
 
 
 class OuterSync:
@@ -620,7 +686,6 @@ class OuterSync:
         # the inner steps this site trained (lr_step in rounds by time): a site that joins a
         # running run without a checkpoint counts the rounds before it at steps_per_round each
         self.steps_trained = self.round * self.config.inner.steps_per_round
-        self.training = False  # until the first step: the first round's window starts there
         self.uplink = self.config.compression.uplink_pipeline
         self.model: nn.Module | None = None
         self.shards: ShardMap | None = None
@@ -725,24 +790,30 @@ class OuterSync:
         this step; True when it closed a round (every H steps)."""
         if not self.fragments:
             raise RuntimeError("call attach(model) before training")
-        if not self.training:  # not at the join: building the model, the data and a dry step
-            self.training = True  # take seconds, which would close the first window at once
-            self.clock.restart()
+        self.clock.tick()  # not at the join: building the model, the data and a dry step take seconds
         self.steps_in_round += 1
         self.steps_trained += 1
         self.tokens_in_round += tokens
         at = self.steps_in_round
-        # a round by time, synced blocking, ends at the first step after its window on any
-        # rank's clock (an all-reduce of one flag per step), so every rank agrees
-        ends = self.clock.by_time and self.clock.ends_on_time and at < self.schedule.steps
-        if ends and self.group.sum(int(self.clock.window_closed())):
-            self.schedule = dataclasses.replace(self.schedule, steps=at)
+        # a round by time in one fragment pushes at the first step past its window's overlapped
+        # part on any rank's clock (an all-reduce of one flag per step), so every rank agrees,
+        # and ends rank 0's count of steps later (blocking: at once)
+        due = self.clock.by_time and self.clock.on_the_clock and at < self.schedule.push_step(0)
+        if due and self.group.sum(int(self.clock.push_due(at))):
+            left = self.group.broadcast(self.clock.steps_left(at)) if self.schedule.overlap else 0
+            left = min(left, self.clock.cap.steps - at)  # within the windows reserved
+            self.schedule = Schedule(at + left, 1, left)
+        if at == 2 and self.clock.by_time and not self.clock.on_the_clock and self.clock.step_s is None:
+            # a first round's H, from its first step: no fragment's push before it
+            self.schedule = self.group.broadcast(self.clock.scaled(2, later=1))
+        held = time.monotonic()
         for f in self.fragments:
             f.tokens += tokens
             if f.in_flight is not None and at == self.schedule.merge_step(f.index):
                 f.land()
             elif not f.finished and at == self.schedule.push_step(f.index):
                 f.sync_now() if self.sender is None else f.send()
+        self.clock.waited += time.monotonic() - held
         if at < self.schedule.steps:
             return False
         self._close_round()
@@ -752,11 +823,13 @@ class OuterSync:
         """Sync every fragment now, blocking (a fragment in flight lands first), and close the round."""
         if not self.fragments:
             raise RuntimeError("call attach(model) before syncing")
+        held = time.monotonic()
         for f in self.fragments:
             if f.in_flight is not None:
                 f.land()
             elif not f.finished:
                 f.sync_now()
+        self.clock.waited += time.monotonic() - held
         return self._close_round()
 
     def drain(self) -> None:
@@ -786,10 +859,12 @@ class OuterSync:
     def _close_round(self) -> RoundResult:
         last = self.fragments[-1]
         self.round, self.finished = last.round, all(f.finished for f in self.fragments)
-        tokens = self.tokens_in_round
+        tokens, steps, waited = self.tokens_in_round, self.steps_in_round, self.clock.waited
         if self.clock.by_time:  # the next round's steps: up to the window, or as measured (streaming)
             schedule = self.clock.next_schedule(self.steps_in_round)
-            self.schedule = schedule if self.clock.ends_on_time else self.group.broadcast(schedule)
+            self.schedule = schedule if self.clock.on_the_clock else self.group.broadcast(schedule)
+        else:
+            self.clock.restart()
         self.steps_in_round = self.tokens_in_round = 0
         # one fragment: its hash is the whole snapshot's, computed when it merged
         digest = (
@@ -798,7 +873,9 @@ class OuterSync:
             else self.digest(self.snapshot)
         )
         # after a resync the state is that of a later round than the one this site trained
-        self.last_result = RoundResult(last.round - 1, digest, tokens, self.finished)
+        self.last_result = result = RoundResult(last.round - 1, digest, tokens, self.finished)
+        if self.group.rank == 0:  # the time not trained: what a slow site cost (benchmarks/hetero.py)
+            log.info("round %d closed: %d steps, the outer sync held them %.3fs", result.round, steps, waited)
         return self.last_result
 
     def call(self, fn: Callable[[], T]) -> tuple[T | None, Outcome]:

@@ -219,19 +219,32 @@ class GraceConfig:
     Off (``adaptive`` false), ``round_timeout_s``. On, the window follows the measured arrivals
     of the last ``rounds`` rounds: their lags behind each round's first contribution (late ones
     included), the ``quantile`` of those, times ``1 + margin``, plus ``floor_s``, never more
-    than ``round_timeout_s`` (:mod:`geodiloco.coordinator.grace`)."""
+    than ``round_timeout_s``; and never more than ``max_share`` of the sites' training time
+    per round (at least ``floor_s``): a site later than that is not waited for, its push merged
+    late, until it comes within it again (0: no such bound; None: 0.5 with rounds by time, 0
+    with step rounds, where a slower site is late by design) (:mod:`geodiloco.coordinator.grace`)."""
 
     adaptive: bool = True
     quantile: float = 0.9
     margin: float = 0.5
     floor_s: float = 0.5
     rounds: int = 8
+    max_share: float | None = None
+
+    def share(self, by_time: bool) -> float:
+        """``max_share``, or its default for rounds by time (0.5) or of steps (0: off)."""
+        return self.max_share if self.max_share is not None else (0.5 if by_time else 0.0)
 
     def __post_init__(self) -> None:
         _require(0 < self.quantile <= 1, "grace.quantile", f"must be in (0, 1], got {self.quantile}")
         _require(0 <= self.margin < float("inf"), "grace.margin", f"must be >= 0, got {self.margin}")
         _require(0 <= self.floor_s < float("inf"), "grace.floor_s", f"must be >= 0, got {self.floor_s}")
         _require(self.rounds >= 1, "grace.rounds", f"must be >= 1, got {self.rounds}")
+        _require(
+            self.max_share is None or 0 <= self.max_share < float("inf"),
+            "grace.max_share",
+            f"must be >= 0 or null, got {self.max_share}",
+        )
 
 
 AGGREGATION_RULES = ("mean", "clip", "trimmed_mean", "median", "filtered_mean")

@@ -24,6 +24,7 @@ KEYS = {
 def test_hetero_smoke(run_benchmark: Callable[..., Any]) -> None:
     r = run_benchmark("hetero.py", timeout_s=900)
     assert r["slowdown"] == 2.0 and r["round_seconds"] > 0 and r["initial_eval_loss"] > 0
+    assert r["overlap_steps"] >= 1
     assert [row["mode"] for row in r["rows"]] == ["a", "b", "c"]
     for row in r["rows"]:
         assert set(row) == KEYS, f"mode {row['mode']}: {set(row) ^ KEYS}"

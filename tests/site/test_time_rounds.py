@@ -35,16 +35,70 @@ def test_split_windows_takes_the_first_steps_windows_in_order() -> None:
     assert split_windows(ranges, 12) == (ranges, [])
 
 
-def test_the_clock_scales_a_streaming_round_with_the_measured_step_time() -> None:
-    clock = RoundClock(1.0, Schedule(40, 2, 1))
-    clock.started -= 0.5  # a round of 10 steps took 0.5 s: 20 steps fit in the window
-    schedule = clock.next_schedule(10)
-    assert schedule.steps == 20 and (schedule.push_step(0), schedule.merge_step(1)) == (9, 20)
-    clock.started -= 100.0  # very slow steps: at least P x (τ + 1) steps, and the offsets with them
-    assert clock.next_schedule(1).steps == 4
-    blocking = RoundClock(1.0, Schedule(40, 1, 0))
-    assert blocking.ends_on_time and blocking.next_schedule(10).steps == 40  # ends on the clock
-    assert not blocking.window_closed()
+def clock_after(cap: Schedule, seconds: float, waited: float = 0.0) -> RoundClock:
+    """A clock whose round's first step ended ``seconds`` ago (``waited`` of it the outer sync's)."""
+    clock = RoundClock(1.0, cap)
+    clock.tick()
+    assert clock.started is not None
+    clock.started -= seconds
+    clock.waited = waited
+    return clock
+
+
+def test_the_clock_scales_a_streaming_round_and_its_overlap_with_the_measured_step_time() -> None:
+    clock = clock_after(Schedule(40, 2, 8), 0.45)  # 10 steps, 9 after the first in 0.45 s
+    schedule = clock.next_schedule(10)  # 20 steps fit in the window, τ 8 of 40 → 4 of 20
+    assert schedule == Schedule(20, 2, 4) and (schedule.push_step(0), schedule.merge_step(1)) == (6, 20)
+    assert clock.started is None  # the next window starts at the next round's first step
+    clock.tick()
+    assert clock.started is not None
+    clock.started -= 100.0  # very slow steps: at least P x (τ' + 1) steps, the offsets with them
+    assert clock.next_schedule(2) == Schedule(4, 2, 1)
+    assert clock_after(Schedule(40, 2, 8), 0.0).scaled(1) == Schedule(40, 2, 8)  # nothing measured
+
+
+def test_the_clock_leaves_out_the_time_the_outer_sync_held_the_training() -> None:
+    """A fast site that waited for a slow one at the end of its round: its next round follows
+    its own step time, not the slow site's (which its wall time would give, and keep it waiting);
+    a first round takes its H at its second step, every fragment's push after it."""
+    clock = clock_after(Schedule(64, 2, 2), 0.95, waited=0.5)  # 10 steps; 0.5 s of it waiting
+    assert clock.next_schedule(10).steps == 20 and clock.waited == 0.0
+    first = clock_after(Schedule(64, 2, 2), 100.0)
+    assert first.scaled(2, later=1) == Schedule(6, 2, 1)  # P x (τ' + 2): fragment 0 pushed at step 2
+
+
+def test_one_fragment_pushes_when_its_window_s_overlapped_share_begins() -> None:
+    """τ/H of the window overlaps the exchange, in time, whatever the site's speed: a site pushes
+    at (1 − τ/H) of its window and trains the rest of it while the push, commit and pull run."""
+    cap = Schedule(64, 1, 16)  # a quarter of the window overlapped
+    assert not clock_after(cap, 0.6).push_due(7)  # 7 steps of 0.1 s: 0.7 of the window
+    fast = clock_after(cap, 0.7)  # 8 steps of 0.1 s: 0.8, past 0.75
+    assert fast.push_due(8) and fast.steps_left(8) == 2  # 0.2 s to the window's end at 0.1 s a step
+    slow = clock_after(cap, 0.6)  # 4 steps of 0.2 s: the same share of the window, fewer steps
+    assert slow.push_due(4) and slow.steps_left(4) == 1
+    assert not clock_after(cap, 0.6, waited=0.3).push_due(4)  # 0.3 s of it was the outer sync's
+    blocking = clock_after(Schedule(40, 1, 0), 0.9)  # 10 steps of 0.1 s: the window has closed
+    assert blocking.push_due(10) and blocking.steps_left(10) == 0
+    assert not clock_after(Schedule(40, 1, 0), 0.7).push_due(8)
+    assert blocking.next_schedule(10) == Schedule(40, 1, 0)  # decided step by step
+
+
+def test_a_window_starts_when_the_last_round_s_update_came_in() -> None:
+    """Every site sees a commit at about the same time: a window counted from there makes every
+    site push at about the same time, and a site that was still training the steps its last
+    push named (it fell behind) pushes earlier in its next round, catching up at once."""
+    cap = Schedule(64, 1, 16)
+    on_time = clock_after(cap, 0.1)  # 3 steps of 0.05 s since its round started...
+    on_time.anchor = time.monotonic() - 0.5  # ...but the update came in 0.5 s ago
+    assert not on_time.push_due(3)
+    on_time.anchor -= 0.3  # 0.8 s ago: past (1 - 1/4) of the window
+    assert on_time.push_due(3) and on_time.steps_left(3) == 4  # 0.2 s left, 0.05 s a step
+    behind = clock_after(cap, 0.0)
+    behind.step_s, behind.anchor = 0.05, time.monotonic() - 0.95  # 0.95 s of it gone in old steps
+    assert behind.push_due(1) and behind.steps_left(1) == 1  # pushes after one step
+    behind.arrived = 123.0
+    behind.restart()
+    assert (behind.anchor, behind.arrived, behind.started) == (123.0, None, None)
 
 
 def test_the_ledger_consumes_the_trained_part_and_gives_back_the_rest() -> None:
@@ -110,20 +164,23 @@ async def test_a_restart_that_replays_a_round_by_time_hands_its_untrained_window
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("overlap", [0, 1])
 def test_a_two_rank_site_ends_its_rounds_on_the_clock_with_its_ranks_agreed(
-    rank_pool: RankPool, tmp_path: Path
+    rank_pool: RankPool, tmp_path: Path, overlap: int
 ) -> None:
     """A site of two real gloo ranks trains until the round's window closes (far fewer steps
     than the cap of steps_per_round): a rank that stopped a step earlier or later than the other
     would push other windows and tokens than its peer, which the coordinator refuses (or the
     ranks' collectives would hang); every round takes the site's push, in whole steps of both
-    ranks."""
+    ranks. Blocking, the ranks agree at every step; overlapped, on rank 0's H (the first round's
+    at its second step)."""
     cfg = tiny_config(
         rounds=2,
         sites=["site-a"],
         min_sites=1,
         inner__steps_per_round=400,
         inner__round_seconds=0.3,
+        outer__overlap_steps=overlap,
         data__batch_size=2,
         limits__max_delta_norm_ratio=0.0,  # hundreds of steps of a tiny model move it far
     )
@@ -136,10 +193,56 @@ def test_a_two_rank_site_ends_its_rounds_on_the_clock_with_its_ranks_agreed(
             windows = sum(d[3] - d[2] for d in h.data)
             steps, rest = divmod(windows, 2 * cfg.data.batch_size)
             assert rest == 0 and 1 <= steps < cfg.inner.steps_per_round  # on the clock, whole steps
-            assert h.tokens == windows * cfg.model.seq_len  # both ranks' tokens, summed once
+            # both ranks' tokens, summed once; overlapped, those since the last push (τ steps of
+            # each round are pushed with the next, so the first round's push has τ steps fewer)
+            shift = overlap * 2 * cfg.data.batch_size if h.round == 0 else 0
+            assert h.tokens == (windows - shift) * cfg.model.seq_len
         assert c.sites["site-a"].rejected == 0 and c.sites["site-a"].late == 0
         consumed = list(c.ledger.consumed)
         assert check_exactly_once(consumed, [s.size for s in c.ledger.shards], c.ledger.pending()) == []
+
+
+@pytest.mark.parametrize(("fragments", "overlap"), [(1, 2), (2, 1)])
+def test_overlapped_rounds_by_time_fit_each_site_s_speed_with_every_replica_identical(
+    fragments: int, overlap: int
+) -> None:
+    """Rounds by time with the exchange overlapping τ steps (what benchmarks/hetero.py's mode
+    b runs): each site's H follows its own step time, a site 3x slower trains fewer steps a
+    round while the fast ones train on (the step time leaves out their waits), the first round
+    too; every replica holds the coordinator's θ and every window is trained once."""
+    cfg = tiny_config(
+        rounds=4,
+        min_sites=3,
+        sites=["site-a", "site-b", "site-c"],
+        inner__steps_per_round=60,
+        inner__round_seconds=0.12,
+        outer__fragments=fragments,
+        outer__overlap_steps=overlap,
+        limits__max_delta_norm_ratio=0.0,
+    )
+    steps: dict[str, list[int]] = {name: [] for name in cfg.sites}
+
+    def hook(name: str) -> Callable[[OuterSync, int], None]:
+        def at(sync: OuterSync, step: int) -> None:
+            if sync.steps_in_round == 0 and step:
+                steps[name].append(step)  # the steps trained before each round after the first
+            time.sleep(0.012 if name == "site-c" else 0.004)
+
+        return at
+
+    with local_runs.coordinator_for(cfg) as coordinator:
+        out = local_runs.run_sites(coordinator, {name: hook(name) for name in cfg.sites})
+        theta = coordinator.controller.theta()
+        for site in out.values():
+            assert torch.equal(local_runs.global_snapshot(site["sync"]), theta)
+        for c in coordinator.controller.fragments:
+            assert [h.round for h in c.history] == list(range(cfg.rounds))
+            assert all(h.hashes_agree for h in c.history)
+        ledger = coordinator.controller.primary.ledger
+        assert check_exactly_once(ledger.consumed, [10_000] * cfg.data.shards, ledger.pending()) == []
+    fast, slow = steps["site-a"][0], steps["site-c"][0]  # the first round: on the clock, not the cap
+    assert slow < fast < cfg.inner.steps_per_round
+    assert steps["site-a"][-1] > 1.5 * steps["site-c"][-1]  # the fast sites' rounds did not shrink
 
 
 def test_the_lr_schedule_counts_the_steps_a_site_really_trained() -> None:
