@@ -1,7 +1,8 @@
 /* Fused int8 blockwise absmax quantisation and its inverse, the nibble split of int8 codes, the
- * parameter checksum's mixing (geodiloco.params.Checksum), and the coordinator's per-span round
+ * parameter checksum's mixing (geodiloco.params.Checksum), the coordinator's per-span round
  * arithmetic (int8 codes folded into the round's sum, the Nesterov step with the downlink's error
- * feedback, and θ += the decoded update with its checksum and norm), each one pass over memory.
+ * feedback, and θ += the decoded update with its checksum and norm), and secure aggregation's ring
+ * packing, each one pass over memory.
  *
  * Eager torch needs five passes over the input to quantise (amax, amin, scale, round, cast);
  * here each block of `block` floats is read twice while it sits in L1 (absmax, then codes), so
@@ -730,6 +731,128 @@ static PyObject *apply_q8(PyObject *self, PyObject *args)
     return Py_BuildValue("(dKK)", sumsq, (unsigned long long)low, (unsigned long long)high);
 }
 
+/* Ring packing for secure aggregation (security/secagg/ring.py): a span of n masked codes of
+ * `bits` = 8 + h bits (h in 0, 1, 2, 4, 8) travels as n low bytes, then the high h bits packed
+ * 8/h to a byte, strided: with m = ceil(n * h / 8), byte k holds the high bits of elements
+ * k, k + m, k + 2m, ... (element k + s*m at bit s*h). Every pass reads and writes contiguous
+ * memory, so the loops vectorise (a bit stream of 10-bit fields does not). */
+static int ring_high(int bits, int *per, Py_ssize_t n, Py_ssize_t *m)
+{
+    int h = bits - 8;
+    if (h != 0 && h != 1 && h != 2 && h != 4 && h != 8)
+        return -1;
+    *per = h ? 8 / h : 0;
+    *m = h ? (n * h + 7) / 8 : 0;
+    return h;
+}
+
+WIDEST_SIMD
+static void ring_pack_span(const uint16_t *mask, const int8_t *codes, Py_ssize_t n, int bits, uint8_t *out)
+{
+    int per;
+    Py_ssize_t m;
+    int h = ring_high(bits, &per, n, &m);
+    uint8_t *lo = out, *hi = out + n;
+    memset(hi, 0, (size_t)m);
+    for (int s = 0; s < (h ? per : 1); s++) {
+        Py_ssize_t base = h ? s * m : 0, count = h ? (n - base < m ? n - base : m) : n;
+        uint16_t keep = (uint16_t)((1u << h) - 1u);
+        int shift = s * h;
+        for (Py_ssize_t k = 0; k < count; k++) {
+            uint16_t v = (uint16_t)(mask[base + k] + (uint16_t)(int16_t)codes[base + k]);
+            lo[base + k] = (uint8_t)v;
+            if (h)
+                hi[k] = (uint8_t)(hi[k] | ((v >> 8) & keep) << shift);
+        }
+    }
+}
+
+WIDEST_SIMD
+static void ring_add_span(const uint8_t *packed, Py_ssize_t n, int bits, uint16_t *acc)
+{
+    int per;
+    Py_ssize_t m;
+    int h = ring_high(bits, &per, n, &m);
+    const uint8_t *lo = packed, *hi = packed + n;
+    for (int s = 0; s < (h ? per : 1); s++) {
+        Py_ssize_t base = h ? s * m : 0, count = h ? (n - base < m ? n - base : m) : n;
+        uint16_t keep = (uint16_t)((1u << h) - 1u);
+        int shift = s * h;
+        for (Py_ssize_t k = 0; k < count; k++) {
+            uint16_t high = h ? (uint16_t)((hi[k] >> shift) & keep) : 0;
+            acc[base + k] = (uint16_t)(acc[base + k] + (uint16_t)(lo[base + k] | high << 8));
+        }
+    }
+}
+
+static int check_ring(int bits, Py_ssize_t n, Py_ssize_t packed_len)
+{
+    int per;
+    Py_ssize_t m;
+    if (ring_high(bits, &per, n, &m) < 0) {
+        PyErr_SetString(PyExc_ValueError, "ring bits must be 8, 9, 10, 12 or 16");
+        return -1;
+    }
+    if (packed_len != (n * bits + 7) / 8) {
+        PyErr_SetString(PyExc_ValueError, "packed buffer size does not match the element count");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(ring_pack_doc,
+             "ring_pack(mask, codes, bits, out) -> bool\n\n"
+             "out = (uint16 mask + int8 code) mod 2^bits per element, at `bits` per element\n"
+             "(ceil(n * bits / 8) bytes: the low bytes, then the high bits strided; ring.py).");
+
+static PyObject *ring_pack(PyObject *self, PyObject *args)
+{
+    PyObject *objs[3];
+    int bits;
+    Py_buffer views[3]; /* mask, codes, out */
+    if (!PyArg_ParseTuple(args, "OOiO", &objs[0], &objs[1], &bits, &objs[2]))
+        return NULL;
+    if (get_arguments(objs, (const char *const[]){"mask", "codes", "out"}, 0x4, views) < 0)
+        return NULL;
+    Py_ssize_t n = views[1].len;
+    if (views[0].len != 2 * n) {
+        PyErr_SetString(PyExc_ValueError, "ring_pack: mask and codes differ in length");
+        return finish(views, -1);
+    }
+    if (check_ring(bits, n, views[2].len) < 0)
+        return finish(views, -1);
+    Py_BEGIN_ALLOW_THREADS
+    ring_pack_span((const uint16_t *)views[0].buf, (const int8_t *)views[1].buf, n, bits, (uint8_t *)views[2].buf);
+    Py_END_ALLOW_THREADS
+    return finish(views, 1);
+}
+
+PyDoc_STRVAR(ring_add_doc,
+             "ring_add(packed, bits, acc) -> bool\n\n"
+             "acc += the ring elements of packed (ring_pack's layout), mod 2^16.");
+
+static PyObject *ring_add(PyObject *self, PyObject *args)
+{
+    PyObject *objs[3];
+    int bits;
+    Py_buffer views[3]; /* packed, acc, acc */
+    if (!PyArg_ParseTuple(args, "OiO", &objs[0], &bits, &objs[1]))
+        return NULL;
+    objs[2] = objs[1];
+    if (get_arguments(objs, (const char *const[]){"packed", "acc", "acc"}, 0x6, views) < 0)
+        return NULL;
+    Py_ssize_t n = views[1].len / 2;
+    if (views[1].len % 2 || check_ring(bits, n, views[0].len) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "ring_add: acc must hold uint16 elements");
+        return finish(views, -1);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    ring_add_span((const uint8_t *)views[0].buf, n, bits, (uint16_t *)views[1].buf);
+    Py_END_ALLOW_THREADS
+    return finish(views, 1);
+}
+
 static PyMethodDef methods[] = {
     {"quantize_q8", quantize_q8, METH_VARARGS, quantize_q8_doc},
     {"dequantize_q8", dequantize_q8, METH_VARARGS, dequantize_q8_doc},
@@ -742,6 +865,8 @@ static PyMethodDef methods[] = {
     {"nesterov_send", nesterov_send, METH_VARARGS, nesterov_send_doc},
     {"add_and_hash", add_and_hash, METH_VARARGS, add_and_hash_doc},
     {"apply_q8", apply_q8, METH_VARARGS, apply_q8_doc},
+    {"ring_pack", ring_pack, METH_VARARGS, ring_pack_doc},
+    {"ring_add", ring_add, METH_VARARGS, ring_add_doc},
     {NULL, NULL, 0, NULL},
 };
 
