@@ -72,14 +72,21 @@ class AggregateSum:
 
 class CoordinatorRound:
     def __init__(
-        self, session: Session, tokens: dict[str, int], numel: int, config: SecAggConfig = SecAggConfig()
+        self,
+        session: Session,
+        tokens: dict[str, int],
+        numel: int,
+        config: SecAggConfig = SecAggConfig(),
+        seed: bytes | None = None,
     ) -> None:
-        """``tokens``: each expected site's tokens from the ledger (its weight, known in advance)."""
+        """``tokens``: each expected site's tokens from the ledger (its weight, known in advance);
+        ``seed``: the neighbour graph's public seed (random unless given)."""
         if not tokens or any(t <= 0 for t in tokens.values()):
             raise InvalidField("tokens", "each expected site needs a positive token count")
         if numel < 1:
             raise InvalidField("numel", f"must be >= 1, got {numel}")
         self.session, self.tokens, self.numel, self.config = session, dict(tokens), numel, config
+        self._seed = os.urandom(mask_keys.KEY_BYTES) if seed is None else seed
         self.phase = "adverts"
         self._adverts: dict[str, KeyAdvert] = {}
         self._roster: Roster | None = None
@@ -132,7 +139,7 @@ class CoordinatorRound:
                 self.session,
                 tuple(self._adverts[s] for s in sites),
                 tuple(self.tokens[s] / total for s in sites),
-                os.urandom(mask_keys.KEY_BYTES),
+                self._seed,
                 ring.ring_bits(len(sites)),
                 degree,
                 threshold,

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from geodiloco.security.secagg import mask_keys, ring, shamir, shared_scale
@@ -63,13 +62,31 @@ class Masker:
         return MaskedChunk(self.session, self.site, start, codes.size, self.ring_bits, payload)
 
 
+@dataclass(frozen=True, slots=True)
+class SiteSecrets:
+    """A site's secrets for one session: two X25519 private keys and the self-mask seed."""
+
+    mask_key: bytes
+    share_key: bytes
+    self_seed: bytes
+
+    @staticmethod
+    def fresh() -> SiteSecrets:
+        return SiteSecrets(*(os.urandom(mask_keys.KEY_BYTES) for _ in range(3)))
+
+    def __repr__(self) -> str:
+        return "SiteSecrets(...)"  # never in a log
+
+
 class SiteRound:
-    def __init__(self, session: Session, site: str) -> None:
+    def __init__(self, session: Session, site: str, secrets: SiteSecrets | None = None) -> None:
+        """``secrets``: fresh random ones unless given (tests give fixed ones, to be deterministic)."""
+        secrets = secrets or SiteSecrets.fresh()
         self.session = session
         self.site = site
-        self._mask_key = X25519PrivateKey.generate()
-        self._share_key = X25519PrivateKey.generate()
-        self._self_seed = os.urandom(mask_keys.KEY_BYTES)
+        self._mask_key = mask_keys.load_private(secrets.mask_key)
+        self._share_key = mask_keys.load_private(secrets.share_key)
+        self._self_seed = secrets.self_seed
         self._advert = KeyAdvert(
             session, site, mask_keys.public_bytes(self._mask_key), mask_keys.public_bytes(self._share_key)
         )

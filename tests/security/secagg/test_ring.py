@@ -1,0 +1,59 @@
+"""Ring packing: sums of packed pushes equal sums of the values mod 2^bits, the C kernel and the
+numpy path give the same bytes, and a wrong size or width is refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from geodiloco.security.secagg import ring
+from geodiloco.security.secagg.secagg_errors import InvalidField
+
+
+def test_ring_bits_hold_the_sum_of_the_sites_codes() -> None:
+    assert [ring.ring_bits(n) for n in (1, 2, 3, 4, 5, 8, 16, 258)] == [8, 9, 10, 10, 12, 12, 12, 16]
+    for n in (1, 2, 4, 8, 16, 100):
+        assert 127 * n < 1 << (ring.ring_bits(n) - 1)
+    with pytest.raises(InvalidField, match="sites"):
+        ring.ring_bits(259)
+
+
+@pytest.mark.parametrize("bits", ring.WIDTHS)
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 1000, 4099])
+def test_packed_values_add_up_mod_the_ring(bits: int, numel: int) -> None:
+    rng = np.random.default_rng(bits * numel)
+    acc = np.zeros(numel, dtype=np.uint16)
+    expected = np.zeros(numel, dtype=np.int64)
+    for _ in range(3):
+        mask = rng.integers(0, 1 << 16, numel, dtype=np.uint16)
+        codes = rng.integers(-127, 128, numel, dtype=np.int8)
+        packed = ring.pack(mask, codes, bits)
+        assert packed.size == ring.packed_size(numel, bits) == (numel * bits + 7) // 8
+        ring.add_packed(acc, packed.tobytes(), bits)
+        expected += mask.astype(np.int64) + codes
+    assert np.array_equal(acc & ((1 << bits) - 1), expected % (1 << bits))
+
+
+@pytest.mark.skipif(ring._kernels is None, reason="the C kernels were not built")
+@pytest.mark.parametrize("bits", ring.WIDTHS)
+def test_kernel_and_numpy_give_the_same_bytes(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(bits)
+    mask = rng.integers(0, 1 << 16, 1237, dtype=np.uint16)
+    codes = rng.integers(-127, 128, 1237, dtype=np.int8)
+    fast = ring.pack(mask, codes, bits).tobytes()
+    acc_fast = np.arange(1237, dtype=np.uint16)
+    ring.add_packed(acc_fast, fast, bits)
+    monkeypatch.setattr(ring, "_kernels", None)
+    assert ring.pack(mask, codes, bits).tobytes() == fast
+    acc_slow = np.arange(1237, dtype=np.uint16)
+    ring.add_packed(acc_slow, fast, bits)
+    assert np.array_equal(acc_fast, acc_slow)
+
+
+def test_signed_values_and_refusals() -> None:
+    acc = np.array([0, 1, 511, 512, 1023, 1024 + 5], dtype=np.uint16)
+    assert ring.to_signed(acc, 10).tolist() == [0, 1, 511, -512, -1, 5]
+    with pytest.raises(InvalidField, match="ring_bits"):
+        ring.pack(np.zeros(4, np.uint16), np.zeros(4, np.int8), 11)
+    with pytest.raises(InvalidField, match="payload"):
+        ring.add_packed(np.zeros(8, np.uint16), bytes(9), 10)
