@@ -62,7 +62,7 @@ class SecAggConfig:
 
 @dataclass(frozen=True, slots=True)
 class AggregateSum:
-    """The unmasked sum of the survivors' codes (int32) and their total weight: the weighted mean
+    """The unmasked sum of the survivors' codes (int16: it fits the ring) and their total weight: the weighted mean
     is ``shared_scale.dequantise(codes, block, plan.exponents, weight)``."""
 
     codes: np.ndarray
@@ -299,14 +299,18 @@ class CoordinatorRound:
 
     def unmask(self, out: np.ndarray | None = None) -> AggregateSum:
         """The survivors' sum of codes: their pushes added in the ring, the masks that did not
-        cancel (pairs with dropped sites; self-masks) removed; ``out``: a reused uint16 buffer."""
-        self._in("unmask")
+        cancel (pairs with dropped sites; self-masks) removed. ``out``: a reused uint16 buffer
+        of at least ``numel`` (the result is a view of it). Called again, it computes the same sum."""
+        self._in("unmask", "done")
         request, roster = self.close_pushes(), self.roster()
         acc = np.empty(self.numel, dtype=np.uint16) if out is None else out[: self.numel]
         acc[:] = 0
-        for site in request.survivors:
-            for c in self._chunks[site].values():
-                ring.add_packed(acc[c.start : c.start + c.numel], c.payload, roster.ring_bits)
+        # by position, not by site: the sites' chunks of one range are added while it is in cache
+        pushed = sorted(
+            (c for s in request.survivors for c in self._chunks[s].values()), key=lambda c: c.start
+        )
+        for c in pushed:
+            ring.add_packed(acc[c.start : c.start + c.numel], c.payload, roster.ring_bits)
         terms: list[tuple[bytes, int]] = []
         for d in request.dropped:
             raw = self._recover(d, "mask_key")
@@ -325,7 +329,7 @@ class CoordinatorRound:
             mask_keys.masks(self.numel, 0, terms, out=acc, accumulate=True)
         codes = ring.to_signed(acc, roster.ring_bits)
         bound = ring.CODE_MAX * len(request.survivors)
-        if codes.size and int(np.abs(codes).max()) > bound:
+        if codes.size and (int(codes.max()) > bound or int(codes.min()) < -bound):
             raise InvalidField(
                 "payload",
                 f"the unmasked sum leaves ±{bound}: a push was not masked codes "

@@ -95,7 +95,7 @@ def masks(
     # positive terms first: the first stream of a fresh array lands in it with no add
     ordered = sorted(terms, key=lambda t: -t[1])
     streams = [_keystream(seed, start) for seed, _ in ordered]
-    zeros = bytes(2 * min(PIECE, numel))
+    zeros = memoryview(bytes(2 * min(PIECE, numel)))  # sliced without a copy
     tmp = np.empty(min(PIECE, numel), dtype=np.uint16)
     for lo in range(0, numel, PIECE):
         n = min(PIECE, numel - lo)

@@ -50,12 +50,14 @@ def _high(numel: int, bits: int) -> tuple[int, int, int]:
     return h, (8 // h if h else 0), (numel * h + 7) // 8
 
 
-def pack(mask: np.ndarray, codes: np.ndarray, bits: int) -> np.ndarray:
-    """The wire bytes (uint8) of (mask + codes) mod 2^bits: ``mask`` uint16, ``codes`` int8, same length."""
+def pack(mask: np.ndarray, codes: np.ndarray, bits: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The wire bytes (uint8) of (mask + codes) mod 2^bits: ``mask`` uint16, ``codes`` int8, same
+    length; written to the front of ``out`` (a reused uint8 buffer) where given."""
     _check(bits)
     if mask.dtype != np.uint16 or codes.dtype != np.int8 or mask.shape != codes.shape:
         raise InvalidField("codes", "pack takes a uint16 mask and int8 codes of one length")
-    out = np.empty(packed_size(codes.size, bits), dtype=np.uint8)
+    size = packed_size(codes.size, bits)
+    out = np.empty(size, dtype=np.uint8) if out is None or out.size < size else out[:size]
     if _kernels is not None:
         _kernels.ring_pack(np.ascontiguousarray(mask), np.ascontiguousarray(codes), bits, out)
         return out
@@ -88,8 +90,11 @@ def add_packed(acc: np.ndarray, packed: bytes | memoryview, bits: int) -> None:
 
 
 def to_signed(acc: np.ndarray, bits: int) -> np.ndarray:
-    """The ring elements of ``acc`` (uint16, mod 2^bits) as int32 in [-2^(bits-1), 2^(bits-1))."""
+    """The ring elements of ``acc`` (uint16, mod 2^bits) as int16 in [-2^(bits-1), 2^(bits-1)),
+    in place: shifted to the top of the lane, then back with the sign. Returns a view of ``acc``."""
     _check(bits)
-    low = (acc & np.uint16((1 << bits) - 1)).astype(np.int32)
-    low[low >= 1 << (bits - 1)] -= 1 << bits
-    return low
+    shift = 16 - bits
+    np.left_shift(acc, shift, out=acc)
+    signed = acc.view(np.int16)
+    np.right_shift(signed, shift, out=signed)
+    return signed

@@ -50,6 +50,7 @@ class Masker:
     ring_bits: int
     terms: list[tuple[bytes, int]]
     buffer: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint16))
+    packed: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint8))
 
     def mask(self, codes: np.ndarray, start: int) -> MaskedChunk:
         """The masked push of int8 ``codes`` of elements [start, start + len(codes))."""
@@ -57,8 +58,9 @@ class Masker:
             raise InvalidField("codes", "must be a non-empty 1-D int8 array")
         if self.buffer.size < codes.size:  # reused: a fresh multi-MB array costs its page faults
             self.buffer = np.empty(codes.size, dtype=np.uint16)
+            self.packed = np.empty(ring.packed_size(codes.size, self.ring_bits), dtype=np.uint8)
         m = mask_keys.masks(codes.size, start, self.terms, out=self.buffer[: codes.size])
-        payload = ring.pack(m, codes, self.ring_bits).tobytes()
+        payload = ring.pack(m, codes, self.ring_bits, out=self.packed).tobytes()
         return MaskedChunk(self.session, self.site, start, codes.size, self.ring_bits, payload)
 
 
