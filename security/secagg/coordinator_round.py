@@ -62,8 +62,8 @@ class SecAggConfig:
 
 @dataclass(frozen=True, slots=True)
 class AggregateSum:
-    """The unmasked sum of the survivors' codes (int16: it fits the ring) and their total weight: the weighted mean
-    is ``shared_scale.dequantise(codes, block, plan.exponents, weight)``."""
+    """The unmasked sum of the survivors' codes (int16: it fits the ring) and their total weight:
+    the weighted mean is ``shared_scale.dequantise(codes, block, plan.exponents, weight)``."""
 
     codes: np.ndarray
     survivors: tuple[str, ...]

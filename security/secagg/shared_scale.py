@@ -79,7 +79,8 @@ def quantise(x: torch.Tensor, start: int, block: int, q: np.ndarray) -> np.ndarr
 
 
 def dequantise(total: np.ndarray, block: int, q: np.ndarray, weight: float) -> torch.Tensor:
-    """The weighted mean from the sum of codes (any integer dtype) of the whole vector: Σ codes · step / weight."""
+    """The weighted mean from the sum of codes (any integer dtype) of the whole vector:
+    Σ codes · step / weight."""
     if weight <= 0:
         raise InvalidField("weight", f"must be > 0, got {weight}")
     _, rows = _blocks(torch.from_numpy(total.astype(np.float32)), 0, block)
