@@ -9,7 +9,6 @@ no-op, so a retried call changes nothing.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +26,7 @@ from geodiloco.security.secagg.messages import (
     ShareInbox,
     UnmaskRequest,
 )
-from geodiloco.security.secagg.neighbours import default_degree, default_threshold, graph
+from geodiloco.security.secagg.neighbours import default_degree, default_threshold, graph, graph_seed
 from geodiloco.security.secagg.secagg_errors import (
     Duplicate,
     InvalidField,
@@ -77,16 +76,13 @@ class CoordinatorRound:
         tokens: dict[str, int],
         numel: int,
         config: SecAggConfig = SecAggConfig(),
-        seed: bytes | None = None,
     ) -> None:
-        """``tokens``: each expected site's tokens from the ledger (its weight, known in advance);
-        ``seed``: the neighbour graph's public seed (random unless given)."""
+        """``tokens``: each expected site's tokens from the ledger (its weight, known in advance)."""
         if not tokens or any(t <= 0 for t in tokens.values()):
             raise InvalidField("tokens", "each expected site needs a positive token count")
         if numel < 1:
             raise InvalidField("numel", f"must be >= 1, got {numel}")
         self.session, self.tokens, self.numel, self.config = session, dict(tokens), numel, config
-        self._seed = os.urandom(mask_keys.KEY_BYTES) if seed is None else seed
         self.phase = "adverts"
         self._adverts: dict[str, KeyAdvert] = {}
         self._roster: Roster | None = None
@@ -135,11 +131,13 @@ class CoordinatorRound:
             degree = min(self.config.degree or default_degree(len(sites)), len(sites) - 1)
             threshold = min(self.config.threshold or default_threshold(degree), degree)
             total = sum(self.tokens[s] for s in sites)
+            adverts = [self._adverts[s] for s in sites]
+            seed = graph_seed(self.session.context, [(a.site, a.mask_key, a.share_key) for a in adverts])
             self._roster = Roster(
                 self.session,
-                tuple(self._adverts[s] for s in sites),
+                tuple(adverts),
                 tuple(self.tokens[s] / total for s in sites),
-                self._seed,
+                seed,
                 ring.ring_bits(len(sites)),
                 degree,
                 threshold,

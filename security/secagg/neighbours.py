@@ -1,10 +1,10 @@
 """The sparse masking graph of SecAgg+ (Bell et al. 2020): each site masks with ``degree``
 neighbours, not with every other site, so its masking cost grows as O(log n), not O(n).
 
-The graph is a Harary graph over a permutation of the sites drawn from the round's public seed:
-sites on a cycle, each joined to the degree/2 nearest on either side. Everyone computes the
-same graph from the roster; the coordinator cannot pick a victim's neighbours after seeing the
-keys, because the seed is published with the keys it binds (see docs/security.md).
+The graph is a Harary graph over a permutation of the sites drawn from a public seed: sites on
+a cycle, each joined to the degree/2 nearest on either side. The seed is a hash of the session
+and every advertised key (:func:`graph_seed`), so everyone computes the same graph and the
+coordinator cannot choose who neighbours whom.
 """
 
 from __future__ import annotations
@@ -13,6 +13,14 @@ import hashlib
 import math
 
 from geodiloco.security.secagg.secagg_errors import InvalidField
+
+
+def graph_seed(context: bytes, keys: list[tuple[str, bytes, bytes]]) -> bytes:
+    """SHA-256 of the session and each (site, mask key, share key), in the given (roster) order."""
+    h = hashlib.sha256(b"geodiloco secagg graph\x00" + context)
+    for site, mask_key, share_key in keys:
+        h.update(len(site).to_bytes(2, "big") + site.encode() + mask_key + share_key)
+    return h.digest()
 
 
 def default_degree(sites: int) -> int:

@@ -30,7 +30,7 @@ from geodiloco.security.secagg.messages import (
     ShareInbox,
     UnmaskRequest,
 )
-from geodiloco.security.secagg.neighbours import graph
+from geodiloco.security.secagg.neighbours import graph, graph_seed
 from geodiloco.security.secagg.secagg_errors import Duplicate, InvalidField, WrongPhase
 
 NONCE = 12
@@ -115,6 +115,9 @@ class SiteRound:
             raise InvalidField(
                 "adverts", f"the roster's keys for {self.site!r} are not the ones it advertised"
             )
+        keys = [(a.site, a.mask_key, a.share_key) for a in roster.adverts]
+        if roster.seed != graph_seed(self.session.context, keys):
+            raise InvalidField("seed", "is not the hash of the session and the advertised keys")
         if roster.ring_bits != ring.ring_bits(len(roster.sites)):
             raise InvalidField(
                 "ring_bits", f"{roster.ring_bits} bits cannot hold {len(roster.sites)} sites' sum"

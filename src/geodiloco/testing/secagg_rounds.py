@@ -62,7 +62,6 @@ def federation(
         tokens,
         numel,
         config or SecAggConfig(),
-        seed=hashlib.sha256(f"{seed}/graph".encode()).digest(),
     )
     sites = {n: SiteRound(session, n, fixed_secrets(seed, n)) for n in names}
     for s in sites.values():

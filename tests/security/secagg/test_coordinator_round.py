@@ -287,3 +287,16 @@ def test_a_site_whose_shares_came_late_is_out_of_the_cohort() -> None:
     for n in NAMES[:3]:
         coord.receive_reveal(sites[n].reveal(request))
     assert np.array_equal(coord.unmask().codes, total(codes, NAMES[:3]))
+
+
+def test_a_push_that_is_not_masked_codes_fails_the_range_check_by_name() -> None:
+    fed = federation(NAMES, NUMEL)
+    codes = codes_of(NAMES)
+    for n in NAMES[:3]:
+        fed.push(n, codes[n], [])
+    good = fed.sites["dc-d"].mask(codes["dc-d"], 0)
+    noise = np.random.default_rng(3).integers(0, 256, len(good.payload), dtype=np.uint8).tobytes()
+    fed.coordinator.receive_push(dataclasses.replace(good, payload=noise))  # well-formed, not masked codes
+    with pytest.raises(InvalidField, match="leaves ±508") as e:
+        fed.finish()
+    assert e.value.field == "payload"

@@ -53,18 +53,22 @@ def test_a_roster_that_is_not_what_the_site_advertised_is_refused() -> None:
     fed = federation(NAMES, 1000)
     roster = fed.coordinator.roster()
     from geodiloco.security.secagg.site_round import SiteRound
+    from geodiloco.testing.secagg_rounds import fixed_secrets
 
-    fresh = SiteRound(roster.session, "dc-a")
     with pytest.raises(InvalidField, match="adverts"):
-        fresh.share(roster)  # its own keys are not in it
+        SiteRound(roster.session, "dc-a").share(roster)  # its own keys are not in it
     site = SiteRound(roster.session, "dc-b")
     swapped = tuple(site.advertise() if a.site == "dc-b" else a for a in roster.adverts)
+    with pytest.raises(InvalidField, match="seed"):  # a graph the coordinator chose, not the keys' hash
+        site.share(dataclasses.replace(roster, adverts=swapped))
+    twin = SiteRound(roster.session, "dc-b", fixed_secrets(0, "dc-b"))
     with pytest.raises(InvalidField, match="ring_bits"):
-        site.share(dataclasses.replace(roster, adverts=swapped, ring_bits=9))
+        twin.share(dataclasses.replace(roster, ring_bits=9))
     with pytest.raises(WrongSession, match=r"session\.fragment"):
-        site.share(dataclasses.replace(roster, session=Session("run-secagg", 0, 1)))
+        twin.share(dataclasses.replace(roster, session=Session("run-secagg", 0, 1)))
     with pytest.raises(InvalidField, match="weights"):
         dataclasses.replace(roster, weights=(0.5, 0.5, 0.5, 0.5))
+    assert twin.share(roster).sender == "dc-b"  # the true roster still works
 
 
 def test_shares_replayed_moved_or_altered_are_refused_by_the_site() -> None:
