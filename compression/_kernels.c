@@ -732,68 +732,86 @@ static PyObject *apply_q8(PyObject *self, PyObject *args)
 }
 
 /* Ring packing for secure aggregation (security/secagg/ring.py): a span of n masked codes of
- * `bits` = 8 + h bits (h in 0, 1, 2, 4, 8) travels as n low bytes, then the high h bits packed
- * 8/h to a byte, strided: with m = ceil(n * h / 8), byte k holds the high bits of elements
- * k, k + m, k + 2m, ... (element k + s*m at bit s*h). Every pass reads and writes contiguous
- * memory, so the loops vectorise (a bit stream of 10-bit fields does not). */
-static int ring_high(int bits, int *per, Py_ssize_t n, Py_ssize_t *m)
+ * `bits` = 8 + h bits (h in 0..8) travels as its n low bytes, then the high h bits split into
+ * planes of 8, 4, 2 and 1 bits (those in h, widest first, lowest bits first). A plane of width w
+ * packs 8/w elements to a byte, strided: with m = ceil(n * w / 8), byte k holds elements k, k + m,
+ * k + 2m, ... (element k + s*m at bit s*w). Every pass reads and writes contiguous memory, so
+ * the loops vectorise (a bit stream of 10- or 11-bit fields does not). */
+static int ring_planes(int bits, int widths[4])
 {
-    int h = bits - 8;
-    if (h != 0 && h != 1 && h != 2 && h != 4 && h != 8)
+    int h = bits - 8, k = 0;
+    if (h < 0 || h > 8)
         return -1;
-    *per = h ? 8 / h : 0;
-    *m = h ? (n * h + 7) / 8 : 0;
-    return h;
+    for (int w = 8; w >= 1; w >>= 1)
+        if (h & w)
+            widths[k++] = w;
+    return k;
+}
+
+static Py_ssize_t ring_size(Py_ssize_t n, int bits)
+{
+    int widths[4], planes = ring_planes(bits, widths);
+    Py_ssize_t size = n;
+    for (int p = 0; p < planes; p++)
+        size += (n * widths[p] + 7) / 8;
+    return size;
 }
 
 WIDEST_SIMD
 static void ring_pack_span(const uint16_t *mask, const int8_t *codes, Py_ssize_t n, int bits, uint8_t *out)
 {
-    int per;
-    Py_ssize_t m;
-    int h = ring_high(bits, &per, n, &m);
-    uint8_t *lo = out, *hi = out + n;
-    memset(hi, 0, (size_t)m);
-    for (int s = 0; s < (h ? per : 1); s++) {
-        Py_ssize_t base = h ? s * m : 0, count = h ? (n - base < m ? n - base : m) : n;
-        uint16_t keep = (uint16_t)((1u << h) - 1u);
-        int shift = s * h;
-        for (Py_ssize_t k = 0; k < count; k++) {
-            uint16_t v = (uint16_t)(mask[base + k] + (uint16_t)(int16_t)codes[base + k]);
-            lo[base + k] = (uint8_t)v;
-            if (h)
-                hi[k] = (uint8_t)(hi[k] | ((v >> 8) & keep) << shift);
+    int widths[4], planes = ring_planes(bits, widths), low = 8;
+    for (Py_ssize_t i = 0; i < n; i++)
+        out[i] = (uint8_t)(mask[i] + (uint16_t)(int16_t)codes[i]);
+    uint8_t *hi = out + n;
+    for (int p = 0; p < planes; p++) {
+        int w = widths[p], per = 8 / w;
+        Py_ssize_t m = (n * w + 7) / 8;
+        uint16_t keep = (uint16_t)((1u << w) - 1u);
+        memset(hi, 0, (size_t)m);
+        for (int s = 0; s < per; s++) {
+            Py_ssize_t base = s * m, count = n - base < m ? n - base : m;
+            int shift = s * w;
+            for (Py_ssize_t k = 0; k < count; k++) {
+                uint16_t v = (uint16_t)(mask[base + k] + (uint16_t)(int16_t)codes[base + k]);
+                hi[k] = (uint8_t)(hi[k] | ((v >> low) & keep) << shift);
+            }
         }
+        hi += m;
+        low += w;
     }
 }
 
 WIDEST_SIMD
 static void ring_add_span(const uint8_t *packed, Py_ssize_t n, int bits, uint16_t *acc)
 {
-    int per;
-    Py_ssize_t m;
-    int h = ring_high(bits, &per, n, &m);
-    const uint8_t *lo = packed, *hi = packed + n;
-    for (int s = 0; s < (h ? per : 1); s++) {
-        Py_ssize_t base = h ? s * m : 0, count = h ? (n - base < m ? n - base : m) : n;
-        uint16_t keep = (uint16_t)((1u << h) - 1u);
-        int shift = s * h;
-        for (Py_ssize_t k = 0; k < count; k++) {
-            uint16_t high = h ? (uint16_t)((hi[k] >> shift) & keep) : 0;
-            acc[base + k] = (uint16_t)(acc[base + k] + (uint16_t)(lo[base + k] | high << 8));
+    int widths[4], planes = ring_planes(bits, widths), low = 8;
+    for (Py_ssize_t i = 0; i < n; i++)
+        acc[i] = (uint16_t)(acc[i] + packed[i]);
+    const uint8_t *hi = packed + n;
+    for (int p = 0; p < planes; p++) {
+        int w = widths[p], per = 8 / w;
+        Py_ssize_t m = (n * w + 7) / 8;
+        uint16_t keep = (uint16_t)((1u << w) - 1u);
+        for (int s = 0; s < per; s++) {
+            Py_ssize_t base = s * m, count = n - base < m ? n - base : m;
+            int shift = s * w;
+            for (Py_ssize_t k = 0; k < count; k++)
+                acc[base + k] = (uint16_t)(acc[base + k] + (uint16_t)(((hi[k] >> shift) & keep) << low));
         }
+        hi += m;
+        low += w;
     }
 }
 
 static int check_ring(int bits, Py_ssize_t n, Py_ssize_t packed_len)
 {
-    int per;
-    Py_ssize_t m;
-    if (ring_high(bits, &per, n, &m) < 0) {
-        PyErr_SetString(PyExc_ValueError, "ring bits must be 8, 9, 10, 12 or 16");
+    int widths[4];
+    if (ring_planes(bits, widths) < 0) {
+        PyErr_SetString(PyExc_ValueError, "ring bits must be in [8, 16]");
         return -1;
     }
-    if (packed_len != (n * bits + 7) / 8) {
+    if (packed_len != ring_size(n, bits)) {
         PyErr_SetString(PyExc_ValueError, "packed buffer size does not match the element count");
         return -1;
     }
@@ -803,7 +821,7 @@ static int check_ring(int bits, Py_ssize_t n, Py_ssize_t packed_len)
 PyDoc_STRVAR(ring_pack_doc,
              "ring_pack(mask, codes, bits, out) -> bool\n\n"
              "out = (uint16 mask + int8 code) mod 2^bits per element, at `bits` per element\n"
-             "(ceil(n * bits / 8) bytes: the low bytes, then the high bits strided; ring.py).");
+             "(the low bytes, then the high bits in strided planes; ring.py).");
 
 static PyObject *ring_pack(PyObject *self, PyObject *args)
 {

@@ -1,12 +1,14 @@
-"""Masked codes on the wire at ``bits`` per element (8, 9, 10, 12 or 16), not 16.
+"""Masked codes on the wire at ``bits`` (8 to 16) per element, not 16.
 
 Arithmetic is mod 2^16 in uint16 lanes and only the low ``bits`` travel: 2^bits divides 2^16,
 so sums agree in the ring Z_{2^bits}. Layout of a span of n elements (``bits`` = 8 + h): the n
-low bytes, then the high h bits, 8/h to a byte and strided: with m = ceil(n·h/8), byte k holds
-the high bits of elements k, k+m, k+2m, ... (element k+s·m at bit s·h). A plain bit stream of
-10-bit fields would be as small, but its shifts differ per element and do not vectorise; this
-layout is contiguous passes only (``ring_pack``/``ring_add`` in compression/_kernels.c, about
-memory speed; without the kernels numpy gives the same bytes, slower).
+low bytes, then the high h bits in planes of 8, 4, 2 and 1 bits (those that make up h, widest
+first, lowest bits first). A plane of width w packs 8/w elements to a byte, strided: with
+m = ceil(n·w/8), byte k holds elements k, k+m, k+2m, ... (element k+s·m at bit s·w). A plain bit
+stream of 10- or 11-bit fields would be as small (up to a byte per plane), but its shifts differ
+per element and do not vectorise; this layout is contiguous passes only (``ring_pack`` and
+``ring_add`` in compression/_kernels.c, about memory speed; without the kernels numpy gives the
+same bytes, slower).
 """
 
 from __future__ import annotations
@@ -21,33 +23,35 @@ except ImportError:  # pragma: no cover - only where no C compiler was available
     _kernels = None  # type: ignore[assignment]
 
 CODE_MAX = 127  # int8 codes of the shared-scale quantiser are in [-127, 127]
-WIDTHS = (8, 9, 10, 12, 16)  # 8 + h with h dividing 8: the high bits pack whole into bytes
+WIDTHS = tuple(range(8, 17))
 
 
 def ring_bits(sites: int) -> int:
     """The narrowest ring holding any sum of ``sites`` codes as a signed value: 127·n < 2^(bits-1)."""
     if sites < 1:
         raise InvalidField("sites", f"must be >= 1, got {sites}")
-    need = (CODE_MAX * sites).bit_length() + 1
-    for bits in WIDTHS:
-        if bits >= need:
-            return bits
-    raise InvalidField("sites", f"{sites} sites need a {need}-bit ring; at most {WIDTHS[-1]} bits supported")
-
-
-def packed_size(numel: int, bits: int) -> int:
-    return (numel * bits + 7) // 8
+    need = max(WIDTHS[0], (CODE_MAX * sites).bit_length() + 1)
+    if need > WIDTHS[-1]:
+        raise InvalidField(
+            "sites", f"{sites} sites need a {need}-bit ring; at most {WIDTHS[-1]} bits supported"
+        )
+    return need
 
 
 def _check(bits: int) -> None:
     if bits not in WIDTHS:
-        raise InvalidField("ring_bits", f"must be one of {WIDTHS}, got {bits}")
+        raise InvalidField("ring_bits", f"must be in [{WIDTHS[0]}, {WIDTHS[-1]}], got {bits}")
 
 
-def _high(numel: int, bits: int) -> tuple[int, int, int]:
-    """(h, elements per high byte, high bytes m) of a span."""
-    h = bits - 8
-    return h, (8 // h if h else 0), (numel * h + 7) // 8
+def _planes(bits: int) -> list[int]:
+    """The widths of the high bits' planes, widest first."""
+    return [w for w in (8, 4, 2, 1) if (bits - 8) & w]
+
+
+def packed_size(numel: int, bits: int) -> int:
+    """n low bytes and ceil(n·w/8) per plane: ceil(n·bits/8), plus at most a byte per extra plane."""
+    _check(bits)
+    return numel + sum((numel * w + 7) // 8 for w in _planes(bits))
 
 
 def pack(mask: np.ndarray, codes: np.ndarray, bits: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -62,13 +66,16 @@ def pack(mask: np.ndarray, codes: np.ndarray, bits: int, out: np.ndarray | None 
         _kernels.ring_pack(np.ascontiguousarray(mask), np.ascontiguousarray(codes), bits, out)
         return out
     values = mask + codes.astype(np.int16).view(np.uint16)
-    h, per, m = _high(codes.size, bits)
     out[: codes.size] = values.astype(np.uint8)
-    high = out[codes.size :]
-    high[:] = 0
-    for s in range(per):
-        part = values[s * m : (s + 1) * m]
-        high[: part.size] |= (((part >> 8) & ((1 << h) - 1)) << (s * h)).astype(np.uint8)
+    at, low = codes.size, 8
+    for w in _planes(bits):
+        m = (codes.size * w + 7) // 8
+        plane = out[at : at + m]
+        plane[:] = 0
+        for s in range(8 // w):
+            part = values[s * m : (s + 1) * m]
+            plane[: part.size] |= (((part >> low) & ((1 << w) - 1)) << (s * w)).astype(np.uint8)
+        at, low = at + m, low + w
     return out
 
 
@@ -82,11 +89,14 @@ def add_packed(acc: np.ndarray, packed: bytes | memoryview, bits: int) -> None:
         return
     raw = np.frombuffer(packed, dtype=np.uint8)
     acc += raw[: acc.size]
-    h, per, m = _high(acc.size, bits)
-    high = raw[acc.size :].astype(np.uint16)
-    for s in range(per):
-        part = acc[s * m : (s + 1) * m]
-        part += ((high[: part.size] >> (s * h)) & ((1 << h) - 1)) << 8
+    at, low = acc.size, 8
+    for w in _planes(bits):
+        m = (acc.size * w + 7) // 8
+        plane = raw[at : at + m].astype(np.uint16)
+        for s in range(8 // w):
+            part = acc[s * m : (s + 1) * m]
+            part += ((plane[: part.size] >> (s * w)) & ((1 << w) - 1)) << low
+        at, low = at + m, low + w
 
 
 def to_signed(acc: np.ndarray, bits: int) -> np.ndarray:

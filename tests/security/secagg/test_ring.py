@@ -11,7 +11,7 @@ from geodiloco.security.secagg.secagg_errors import InvalidField
 
 
 def test_ring_bits_hold_the_sum_of_the_sites_codes() -> None:
-    assert [ring.ring_bits(n) for n in (1, 2, 3, 4, 5, 8, 16, 258)] == [8, 9, 10, 10, 12, 12, 12, 16]
+    assert [ring.ring_bits(n) for n in (1, 2, 3, 4, 5, 8, 16, 258)] == [8, 9, 10, 10, 11, 11, 12, 16]
     for n in (1, 2, 4, 8, 16, 100):
         assert 127 * n < 1 << (ring.ring_bits(n) - 1)
     with pytest.raises(InvalidField, match="sites"):
@@ -28,7 +28,8 @@ def test_packed_values_add_up_mod_the_ring(bits: int, numel: int) -> None:
         mask = rng.integers(0, 1 << 16, numel, dtype=np.uint16)
         codes = rng.integers(-127, 128, numel, dtype=np.int8)
         packed = ring.pack(mask, codes, bits)
-        assert packed.size == ring.packed_size(numel, bits) == (numel * bits + 7) // 8
+        assert packed.size == ring.packed_size(numel, bits)
+        assert 0 <= packed.size - (numel * bits + 7) // 8 <= bin(bits - 8).count("1")  # a byte per plane
         ring.add_packed(acc, packed.tobytes(), bits)
         expected += mask.astype(np.int64) + codes
     assert np.array_equal(acc & ((1 << bits) - 1), expected % (1 << bits))
@@ -54,6 +55,6 @@ def test_signed_values_and_refusals() -> None:
     acc = np.array([0, 1, 511, 512, 1023, 1024 + 5], dtype=np.uint16)
     assert ring.to_signed(acc, 10).tolist() == [0, 1, 511, -512, -1, 5]
     with pytest.raises(InvalidField, match="ring_bits"):
-        ring.pack(np.zeros(4, np.uint16), np.zeros(4, np.int8), 11)
+        ring.pack(np.zeros(4, np.uint16), np.zeros(4, np.int8), 17)
     with pytest.raises(InvalidField, match="payload"):
         ring.add_packed(np.zeros(8, np.uint16), bytes(9), 10)
