@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from geodiloco.security.secagg.secagg_errors import InvalidField
 
 KEY_BYTES = 32
-PIECE = 1 << 18  # elements per pass: a keystream piece stays in cache while it is added
+PIECE = 1 << 16  # elements per pass: a keystream piece (128 KiB) stays in L2 while it is added
 _BLOCK = 64  # ChaCha20 block bytes
 _MAX_ELEMENTS = (1 << 32) * _BLOCK // 2  # the 32-bit block counter's reach
 
