@@ -300,3 +300,36 @@ def test_a_push_that_is_not_masked_codes_fails_the_range_check_by_name() -> None
     with pytest.raises(InvalidField, match="leaves ±508") as e:
         fed.finish()
     assert e.value.field == "payload"
+
+
+def test_configuration_and_messages_refuse_bad_fields_by_name() -> None:
+    from geodiloco.security.secagg.coordinator_round import CoordinatorRound
+    from geodiloco.security.secagg.messages import EncryptedShare, KeyAdvert
+
+    session = Session("run-secagg", 0, 0)
+    for kwargs, field in (
+        ({"degree": 0}, "degree"),
+        ({"threshold": 0}, "threshold"),
+        ({"block": 0}, "block"),
+    ):
+        with pytest.raises(InvalidField) as e:
+            SecAggConfig(**kwargs)
+        assert e.value.field == field
+    with pytest.raises(InvalidField, match="tokens"):
+        CoordinatorRound(session, {"dc-a": 0, "dc-b": 5}, 10)
+    with pytest.raises(InvalidField, match="numel"):
+        CoordinatorRound(session, {"dc-a": 1, "dc-b": 5}, 0)
+    for bad, field in (
+        (lambda: Session("", 0, 0), "session.run_id"),
+        (lambda: Session("r", -1, 0), "session.round"),
+        (lambda: KeyAdvert(session, "dc-a", bytes(31), bytes(32)), "mask_key"),
+        (lambda: EncryptedShare(session, "dc-a", "dc-a", bytes(12), bytes(84)), "receiver"),
+        (lambda: EncryptedShare(session, "dc-a", "dc-b", bytes(12), bytes(83)), "ciphertext"),
+        (lambda: MaskedChunk(session, "dc-a", 0, 8, 17, bytes(16)), "ring_bits"),
+    ):
+        with pytest.raises(InvalidField) as e:
+            bad()
+        assert e.value.field == field
+    coord = CoordinatorRound(session, {"dc-a": 1, "dc-b": 1}, 10)
+    with pytest.raises(RecoveryFailed, match="adverts"):
+        coord.roster()  # nobody advertised: no aggregation of fewer than 2
