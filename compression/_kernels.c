@@ -871,6 +871,47 @@ static PyObject *ring_add(PyObject *self, PyObject *args)
     return finish(views, 1);
 }
 
+WIDEST_SIMD
+static int32_t ring_signed_span(uint16_t *acc, Py_ssize_t n, int bits)
+{
+    int shift = 16 - bits;
+    int32_t low = 0, high = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int16_t v = (int16_t)(int16_t)(uint16_t)(acc[i] << shift) >> shift;
+        acc[i] = (uint16_t)v;
+        low = v < low ? v : low;
+        high = v > high ? v : high;
+    }
+    return -low > high ? -low : high;
+}
+
+PyDoc_STRVAR(ring_signed_doc,
+             "ring_signed(acc, bits) -> int\n\n"
+             "In place: each uint16 of acc, a ring element mod 2^bits, becomes the int16 in\n"
+             "[-2^(bits-1), 2^(bits-1)) it stands for. Returns the largest magnitude.");
+
+static PyObject *ring_signed(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    int bits;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "Oi", &obj, &bits))
+        return NULL;
+    if (get_buffer(obj, &view, 1, "acc") < 0)
+        return NULL;
+    if (bits < 8 || bits > 16 || view.len % 2) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "ring_signed: uint16 elements and bits in [8, 16]");
+        return NULL;
+    }
+    int32_t largest;
+    Py_BEGIN_ALLOW_THREADS
+    largest = ring_signed_span((uint16_t *)view.buf, view.len / 2, bits);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return PyLong_FromLong(largest);
+}
+
 static PyMethodDef methods[] = {
     {"quantize_q8", quantize_q8, METH_VARARGS, quantize_q8_doc},
     {"dequantize_q8", dequantize_q8, METH_VARARGS, dequantize_q8_doc},
@@ -885,6 +926,7 @@ static PyMethodDef methods[] = {
     {"apply_q8", apply_q8, METH_VARARGS, apply_q8_doc},
     {"ring_pack", ring_pack, METH_VARARGS, ring_pack_doc},
     {"ring_add", ring_add, METH_VARARGS, ring_add_doc},
+    {"ring_signed", ring_signed, METH_VARARGS, ring_signed_doc},
     {NULL, NULL, 0, NULL},
 };
 

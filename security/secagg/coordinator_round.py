@@ -325,9 +325,9 @@ class CoordinatorRound:
             terms += [(self._recover(s, "self_mask"), -1) for s in request.survivors]
         if terms:
             mask_keys.masks(self.numel, 0, terms, out=acc, accumulate=True)
-        codes = ring.to_signed(acc, roster.ring_bits)
+        codes, largest = ring.to_signed(acc, roster.ring_bits)
         bound = ring.CODE_MAX * len(request.survivors)
-        if codes.size and (int(codes.max()) > bound or int(codes.min()) < -bound):
+        if largest > bound:
             raise InvalidField(
                 "payload",
                 f"the unmasked sum leaves ±{bound}: a push was not masked codes "

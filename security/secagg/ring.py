@@ -99,12 +99,14 @@ def add_packed(acc: np.ndarray, packed: bytes | memoryview, bits: int) -> None:
         at, low = at + m, low + w
 
 
-def to_signed(acc: np.ndarray, bits: int) -> np.ndarray:
+def to_signed(acc: np.ndarray, bits: int) -> tuple[np.ndarray, int]:
     """The ring elements of ``acc`` (uint16, mod 2^bits) as int16 in [-2^(bits-1), 2^(bits-1)),
-    in place: shifted to the top of the lane, then back with the sign. Returns a view of ``acc``."""
+    in place (the result is a view of ``acc``), and the largest magnitude among them."""
     _check(bits)
+    signed = acc.view(np.int16)
+    if _kernels is not None and acc.size:
+        return signed, _kernels.ring_signed(acc, bits)
     shift = 16 - bits
     np.left_shift(acc, shift, out=acc)
-    signed = acc.view(np.int16)
     np.right_shift(signed, shift, out=signed)
-    return signed
+    return signed, (max(int(signed.max()), -int(signed.min())) if acc.size else 0)

@@ -156,7 +156,7 @@ def _open_with_rebuilt_key(fed, late: MaskedChunk, reveals: list[Reveal]) -> np.
             terms.append((seed, -1 if late.site < j else 1))
     acc = mask_keys.masks(late.numel, 0, terms)
     ring.add_packed(acc, late.payload, late.ring_bits)
-    return ring.to_signed(acc, late.ring_bits).astype(np.int8)
+    return ring.to_signed(acc, late.ring_bits)[0].astype(np.int8)
 
 
 def test_every_bad_message_is_refused_by_name_and_the_round_still_sums_exactly() -> None:

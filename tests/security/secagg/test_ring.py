@@ -53,7 +53,14 @@ def test_kernel_and_numpy_give_the_same_bytes(bits: int, monkeypatch: pytest.Mon
 
 def test_signed_values_and_refusals() -> None:
     acc = np.array([0, 1, 511, 512, 1023, 1024 + 5], dtype=np.uint16)
-    assert ring.to_signed(acc, 10).tolist() == [0, 1, 511, -512, -1, 5]
+    signed, largest = ring.to_signed(acc.copy(), 10)
+    assert signed.tolist() == [0, 1, 511, -512, -1, 5] and largest == 512
+    kernels, ring._kernels = ring._kernels, None
+    try:
+        assert ring.to_signed(acc.copy(), 10)[0].tolist() == signed.tolist()
+        assert ring.to_signed(acc.copy(), 10)[1] == 512
+    finally:
+        ring._kernels = kernels
     with pytest.raises(InvalidField, match="ring_bits"):
         ring.pack(np.zeros(4, np.uint16), np.zeros(4, np.int8), 17)
     with pytest.raises(InvalidField, match="payload"):
