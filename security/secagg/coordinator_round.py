@@ -41,7 +41,8 @@ PHASES = ("adverts", "shares", "pushes", "unmask", "done")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SecAggConfig:
     """``degree``: neighbours each site masks with (None: 2·⌈log2 n⌉, capped at n - 1);
-    ``threshold``: shares that recover a key (None: a majority of the degree); ``self_masks``:
+    ``threshold``: shares that recover a key (None: a majority of the degree; sites refuse less,
+    so that no two disjoint sets of neighbours can each rebuild something); ``self_masks``:
     Bonawitz's self-masks (a late push of a site declared dropped stays hidden; costs the
     coordinator one stream per survivor); ``block``: elements per shared scale."""
 
@@ -130,6 +131,10 @@ class CoordinatorRound:
                 )
             degree = min(self.config.degree or default_degree(len(sites)), len(sites) - 1)
             threshold = min(self.config.threshold or default_threshold(degree), degree)
+            if threshold < default_threshold(degree):
+                raise InvalidField(
+                    "threshold", f"{threshold} of {degree} neighbours; at least {default_threshold(degree)}"
+                )
             total = sum(self.tokens[s] for s in sites)
             adverts = [self._adverts[s] for s in sites]
             seed = graph_seed(self.session.context, [(a.site, a.mask_key, a.share_key) for a in adverts])

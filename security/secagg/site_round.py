@@ -30,7 +30,7 @@ from geodiloco.security.secagg.messages import (
     ShareInbox,
     UnmaskRequest,
 )
-from geodiloco.security.secagg.neighbours import graph, graph_seed
+from geodiloco.security.secagg.neighbours import default_threshold, graph, graph_seed
 from geodiloco.security.secagg.secagg_errors import Duplicate, InvalidField, WrongPhase
 
 NONCE = 12
@@ -121,6 +121,10 @@ class SiteRound:
         if roster.ring_bits != ring.ring_bits(len(roster.sites)):
             raise InvalidField(
                 "ring_bits", f"{roster.ring_bits} bits cannot hold {len(roster.sites)} sites' sum"
+            )
+        if roster.threshold < default_threshold(roster.degree):
+            raise InvalidField(
+                "threshold", f"{roster.threshold} of {roster.degree} neighbours: must be a majority"
             )
         self.roster = roster
         self.neighbours = graph(roster.sites, roster.seed, roster.degree)[self.site]

@@ -333,3 +333,6 @@ def test_configuration_and_messages_refuse_bad_fields_by_name() -> None:
     coord = CoordinatorRound(session, {"dc-a": 1, "dc-b": 1}, 10)
     with pytest.raises(RecoveryFailed, match="adverts"):
         coord.roster()  # nobody advertised: no aggregation of fewer than 2
+    with pytest.raises(InvalidField, match="at least 2") as e:
+        federation(NAMES, 10, SecAggConfig(threshold=1))  # 1 of 3 neighbours: not a majority
+    assert e.value.field == "threshold"

@@ -68,6 +68,8 @@ def test_a_roster_that_is_not_what_the_site_advertised_is_refused() -> None:
         twin.share(dataclasses.replace(roster, session=Session("run-secagg", 0, 1)))
     with pytest.raises(InvalidField, match="weights"):
         dataclasses.replace(roster, weights=(0.5, 0.5, 0.5, 0.5))
+    with pytest.raises(InvalidField, match="majority"):  # one colluder could rebuild its key
+        twin.share(dataclasses.replace(roster, threshold=1))
     assert twin.share(roster).sender == "dc-b"  # the true roster still works
 
 
