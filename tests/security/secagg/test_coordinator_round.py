@@ -68,6 +68,15 @@ def test_weighted_deltas_through_shared_scales_a_two_rank_site_and_odd_chunks() 
     assert ((mean - exact).abs() <= 2 * step).all()  # four roundings of at most step/2 each
 
 
+def test_with_nobody_lost_and_no_self_masks_the_sum_needs_no_reveals() -> None:
+    fed = federation(NAMES, NUMEL)
+    codes = codes_of(NAMES)
+    for n in NAMES:
+        fed.push(n, codes[n], [])
+    assert fed.coordinator.close_pushes().dropped == ()
+    assert np.array_equal(fed.coordinator.unmask().codes, total(codes, NAMES))  # no round trip
+
+
 @pytest.mark.parametrize("dropped", [("dc-b",), ("dc-a", "dc-c")])
 def test_sites_lost_after_masking_are_recovered_exactly(dropped: tuple[str, ...]) -> None:
     fed = federation(NAMES, NUMEL)
