@@ -757,12 +757,16 @@ static Py_ssize_t ring_size(Py_ssize_t n, int bits)
     return size;
 }
 
+/* The first (widest) plane's passes also write the low bytes: together its strided passes visit
+ * every element once, so the codes and the mask are read once for it (twice only at 11, 13, 14
+ * and 15 bits, whose second and third planes take a pass each). */
 WIDEST_SIMD
 static void ring_pack_span(const uint16_t *mask, const int8_t *codes, Py_ssize_t n, int bits, uint8_t *out)
 {
     int widths[4], planes = ring_planes(bits, widths), low = 8;
-    for (Py_ssize_t i = 0; i < n; i++)
-        out[i] = (uint8_t)(mask[i] + (uint16_t)(int16_t)codes[i]);
+    if (planes == 0)
+        for (Py_ssize_t i = 0; i < n; i++)
+            out[i] = (uint8_t)(mask[i] + (uint16_t)(int16_t)codes[i]);
     uint8_t *hi = out + n;
     for (int p = 0; p < planes; p++) {
         int w = widths[p], per = 8 / w;
@@ -772,9 +776,21 @@ static void ring_pack_span(const uint16_t *mask, const int8_t *codes, Py_ssize_t
         for (int s = 0; s < per; s++) {
             Py_ssize_t base = s * m, count = n - base < m ? n - base : m;
             int shift = s * w;
-            for (Py_ssize_t k = 0; k < count; k++) {
-                uint16_t v = (uint16_t)(mask[base + k] + (uint16_t)(int16_t)codes[base + k]);
-                hi[k] = (uint8_t)(hi[k] | ((v >> low) & keep) << shift);
+            /* restrict: the low bytes and the plane are disjoint parts of one buffer */
+            const uint16_t *restrict src = mask + base;
+            const int8_t *restrict code = codes + base;
+            uint8_t *restrict lo = out + base, *restrict plane = hi;
+            if (p == 0) {
+                for (Py_ssize_t k = 0; k < count; k++) {
+                    uint16_t v = (uint16_t)(src[k] + (uint16_t)(int16_t)code[k]);
+                    lo[k] = (uint8_t)v;
+                    plane[k] = (uint8_t)(plane[k] | ((v >> low) & keep) << shift);
+                }
+            } else {
+                for (Py_ssize_t k = 0; k < count; k++) {
+                    uint16_t v = (uint16_t)(src[k] + (uint16_t)(int16_t)code[k]);
+                    plane[k] = (uint8_t)(plane[k] | ((v >> low) & keep) << shift);
+                }
             }
         }
         hi += m;
@@ -786,8 +802,9 @@ WIDEST_SIMD
 static void ring_add_span(const uint8_t *packed, Py_ssize_t n, int bits, uint16_t *acc)
 {
     int widths[4], planes = ring_planes(bits, widths), low = 8;
-    for (Py_ssize_t i = 0; i < n; i++)
-        acc[i] = (uint16_t)(acc[i] + packed[i]);
+    if (planes == 0)
+        for (Py_ssize_t i = 0; i < n; i++)
+            acc[i] = (uint16_t)(acc[i] + packed[i]);
     const uint8_t *hi = packed + n;
     for (int p = 0; p < planes; p++) {
         int w = widths[p], per = 8 / w;
@@ -796,8 +813,14 @@ static void ring_add_span(const uint8_t *packed, Py_ssize_t n, int bits, uint16_
         for (int s = 0; s < per; s++) {
             Py_ssize_t base = s * m, count = n - base < m ? n - base : m;
             int shift = s * w;
-            for (Py_ssize_t k = 0; k < count; k++)
-                acc[base + k] = (uint16_t)(acc[base + k] + (uint16_t)(((hi[k] >> shift) & keep) << low));
+            const uint8_t *restrict lo = packed + base, *restrict plane = hi;
+            uint16_t *restrict dst = acc + base;
+            if (p == 0)
+                for (Py_ssize_t k = 0; k < count; k++)
+                    dst[k] = (uint16_t)(dst[k] + (uint16_t)(lo[k] | ((plane[k] >> shift) & keep) << low));
+            else
+                for (Py_ssize_t k = 0; k < count; k++)
+                    dst[k] = (uint16_t)(dst[k] + (uint16_t)(((plane[k] >> shift) & keep) << low));
         }
         hi += m;
         low += w;
