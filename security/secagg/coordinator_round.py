@@ -308,12 +308,13 @@ class CoordinatorRound:
         request, roster = self.close_pushes(), self.roster()
         acc = np.empty(self.numel, dtype=np.uint16) if out is None else out[: self.numel]
         acc[:] = 0
-        # by position, not by site: the sites' chunks of one range are added while it is in cache
-        pushed = sorted(
-            (c for s in request.survivors for c in self._chunks[s].values()), key=lambda c: c.start
-        )
-        for c in pushed:
-            ring.add_packed(acc[c.start : c.start + c.numel], c.payload, roster.ring_bits)
+        # by span, not by site: the pushes of one span are added tile by tile, in cache
+        spans: dict[tuple[int, int], list[bytes]] = {}
+        for site in request.survivors:
+            for c in self._chunks[site].values():
+                spans.setdefault((c.start, c.numel), []).append(c.payload)
+        for (start, numel), payloads in sorted(spans.items()):
+            ring.add_all(acc[start : start + numel], payloads, roster.ring_bits)
         terms: list[tuple[bytes, int]] = []
         for d in request.dropped:
             raw = self._recover(d, "mask_key")

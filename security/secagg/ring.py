@@ -99,6 +99,20 @@ def add_packed(acc: np.ndarray, packed: bytes | memoryview, bits: int) -> None:
         at, low = at + m, low + w
 
 
+def add_all(acc: np.ndarray, payloads: list[bytes], bits: int) -> None:
+    """:func:`add_packed` of several pushes of the same span, tiled so the sum stays in cache."""
+    _check(bits)
+    size = packed_size(acc.size, bits)
+    for p in payloads:
+        if len(p) != size:
+            raise InvalidField("payload", f"{len(p)} bytes, expected {size}")
+    if _kernels is not None and acc.dtype == np.uint16:
+        _kernels.ring_add_all(payloads, bits, acc)
+        return
+    for p in payloads:
+        add_packed(acc, p, bits)
+
+
 def to_signed(acc: np.ndarray, bits: int) -> tuple[np.ndarray, int]:
     """The ring elements of ``acc`` (uint16, mod 2^bits) as int16 in [-2^(bits-1), 2^(bits-1)),
     in place (the result is a view of ``acc``), and the largest magnitude among them."""

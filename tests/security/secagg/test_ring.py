@@ -65,3 +65,29 @@ def test_signed_values_and_refusals() -> None:
         ring.pack(np.zeros(4, np.uint16), np.zeros(4, np.int8), 17)
     with pytest.raises(InvalidField, match="payload"):
         ring.add_packed(np.zeros(8, np.uint16), bytes(9), 10)
+
+
+@pytest.mark.parametrize("bits", [8, 10, 11, 16])
+def test_adding_several_pushes_at_once_equals_adding_each(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(bits)
+    numel = 20_000 + bits  # several tiles, uneven strides
+    payloads = [
+        ring.pack(
+            rng.integers(0, 1 << 16, numel, dtype=np.uint16),
+            rng.integers(-127, 128, numel, dtype=np.int8),
+            bits,
+        ).tobytes()
+        for _ in range(3)
+    ]
+    one_by_one = np.arange(numel, dtype=np.uint16)
+    for p in payloads:
+        ring.add_packed(one_by_one, p, bits)
+    together = np.arange(numel, dtype=np.uint16)
+    ring.add_all(together, payloads, bits)
+    assert np.array_equal(together, one_by_one)
+    with pytest.raises(InvalidField, match="payload"):
+        ring.add_all(together, [*payloads, payloads[0][:-1]], bits)
+    monkeypatch.setattr(ring, "_kernels", None)
+    fallback = np.arange(numel, dtype=np.uint16)
+    ring.add_all(fallback, payloads, bits)
+    assert np.array_equal(fallback, one_by_one)
