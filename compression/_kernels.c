@@ -832,7 +832,8 @@ static void ring_add_span(const uint8_t *packed, Py_ssize_t n, int bits, uint16_
  * all pushes are added to it instead of streaming the whole sum through memory once per push. */
 #define RING_TILE 8192
 WIDEST_SIMD
-static void ring_add_pushes(const uint8_t *const *packed, Py_ssize_t count, Py_ssize_t n, int bits, uint16_t *acc)
+static void ring_add_pushes(const uint8_t *const *packed, Py_ssize_t count, Py_ssize_t n, int bits, uint16_t *acc,
+                            int assign)
 {
     int widths[4], planes = ring_planes(bits, widths);
     int w = planes ? widths[0] : 8, per = planes ? 8 / w : 1;
@@ -846,7 +847,10 @@ static void ring_add_pushes(const uint8_t *const *packed, Py_ssize_t count, Py_s
                 const uint8_t *restrict lo = packed[j] + base, *restrict plane = packed[j] + n;
                 uint16_t *restrict dst = acc + base;
                 int shift = s * w;
-                if (planes)
+                if (assign && j == 0) /* the first push sets the sum: no zeroing pass */
+                    for (Py_ssize_t k = k0; k < k1; k++)
+                        dst[k] = (uint16_t)(lo[k] | (planes ? ((plane[k] >> shift) & keep) << 8 : 0));
+                else if (planes)
                     for (Py_ssize_t k = k0; k < k1; k++)
                         dst[k] = (uint16_t)(dst[k] + (uint16_t)(lo[k] | ((plane[k] >> shift) & keep) << 8));
                 else
@@ -984,15 +988,16 @@ static PyObject *ring_signed(PyObject *self, PyObject *args)
 }
 
 PyDoc_STRVAR(ring_add_all_doc,
-             "ring_add_all(payloads, bits, acc) -> bool\n\n"
+             "ring_add_all(payloads, bits, acc, assign) -> bool\n\n"
              "acc += the ring elements of every payload (ring_pack's layout, each of len(acc)\n"
-             "elements), mod 2^16: ring_add for each, tiled so that acc stays in cache.");
+             "elements), mod 2^16: ring_add for each, tiled so that acc stays in cache. With assign,\n"
+             "acc = their sum (its old contents are not read).");
 
 static PyObject *ring_add_all(PyObject *self, PyObject *args)
 {
     PyObject *seq_obj, *acc_obj;
-    int bits;
-    if (!PyArg_ParseTuple(args, "OiO", &seq_obj, &bits, &acc_obj))
+    int bits, assign;
+    if (!PyArg_ParseTuple(args, "OiOp", &seq_obj, &bits, &acc_obj, &assign))
         return NULL;
     PyObject *seq = PySequence_Fast(seq_obj, "payloads must be a sequence of buffers");
     if (!seq)
@@ -1022,7 +1027,7 @@ static PyObject *ring_add_all(PyObject *self, PyObject *args)
     }
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
-        ring_add_pushes(bufs, count, n, bits, (uint16_t *)acc.buf);
+        ring_add_pushes(bufs, count, n, bits, (uint16_t *)acc.buf, assign && count > 0);
         Py_END_ALLOW_THREADS
     }
     for (Py_ssize_t j = 0; j < held; j++)

@@ -307,14 +307,21 @@ class CoordinatorRound:
         self._in("unmask", "done")
         request, roster = self.close_pushes(), self.roster()
         acc = np.empty(self.numel, dtype=np.uint16) if out is None else out[: self.numel]
-        acc[:] = 0
         # by span, not by site: the pushes of one span are added tile by tile, in cache
         spans: dict[tuple[int, int], list[bytes]] = {}
         for site in request.survivors:
             for c in self._chunks[site].values():
                 spans.setdefault((c.start, c.numel), []).append(c.payload)
-        for (start, numel), payloads in sorted(spans.items()):
-            ring.add_all(acc[start : start + numel], payloads, roster.ring_bits)
+        ordered = sorted(spans.items())
+        # when the spans tile the vector (every site chunked alike), the first push of each sets
+        # the sum and nothing needs zeroing; otherwise spans overlap and all of them add
+        tiled, end = True, 0
+        for (start, numel), _ in ordered:
+            tiled, end = tiled and start == end, start + numel
+        if not tiled:
+            acc[:] = 0
+        for (start, numel), payloads in ordered:
+            ring.add_all(acc[start : start + numel], payloads, roster.ring_bits, assign=tiled)
         terms: list[tuple[bytes, int]] = []
         for d in request.dropped:
             raw = self._recover(d, "mask_key")

@@ -99,16 +99,19 @@ def add_packed(acc: np.ndarray, packed: bytes | memoryview, bits: int) -> None:
         at, low = at + m, low + w
 
 
-def add_all(acc: np.ndarray, payloads: list[bytes], bits: int) -> None:
-    """:func:`add_packed` of several pushes of the same span, tiled so the sum stays in cache."""
+def add_all(acc: np.ndarray, payloads: list[bytes], bits: int, assign: bool = False) -> None:
+    """:func:`add_packed` of several pushes of the same span, tiled so the sum stays in cache;
+    with ``assign``, ``acc`` becomes their sum (its contents are not read: no zeroing pass)."""
     _check(bits)
     size = packed_size(acc.size, bits)
     for p in payloads:
         if len(p) != size:
             raise InvalidField("payload", f"{len(p)} bytes, expected {size}")
     if _kernels is not None and acc.dtype == np.uint16:
-        _kernels.ring_add_all(payloads, bits, acc)
+        _kernels.ring_add_all(payloads, bits, acc, assign)
         return
+    if assign:
+        acc[:] = 0
     for p in payloads:
         add_packed(acc, p, bits)
 

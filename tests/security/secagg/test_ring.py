@@ -85,9 +85,14 @@ def test_adding_several_pushes_at_once_equals_adding_each(bits: int, monkeypatch
     together = np.arange(numel, dtype=np.uint16)
     ring.add_all(together, payloads, bits)
     assert np.array_equal(together, one_by_one)
+    assigned = np.full(numel, 12345, dtype=np.uint16)  # not read
+    ring.add_all(assigned, payloads, bits, assign=True)
+    assert np.array_equal(assigned, one_by_one - np.arange(numel, dtype=np.uint16))
     with pytest.raises(InvalidField, match="payload"):
         ring.add_all(together, [*payloads, payloads[0][:-1]], bits)
     monkeypatch.setattr(ring, "_kernels", None)
     fallback = np.arange(numel, dtype=np.uint16)
     ring.add_all(fallback, payloads, bits)
     assert np.array_equal(fallback, one_by_one)
+    ring.add_all(fallback, payloads, bits, assign=True)
+    assert np.array_equal(fallback, assigned)
