@@ -6,9 +6,9 @@ low bytes, then the high h bits in planes of 8, 4, 2 and 1 bits (those that make
 first, lowest bits first). A plane of width w packs 8/w elements to a byte, strided: with
 m = ceil(n·w/8), byte k holds elements k, k+m, k+2m, ... (element k+s·m at bit s·w). A plain bit
 stream of 10- or 11-bit fields would be as small (up to a byte per plane), but its shifts differ
-per element and do not vectorise; this layout is contiguous passes only (``ring_pack`` and
-``ring_add`` in compression/_kernels.c, about memory speed; without the kernels numpy gives the
-same bytes, slower).
+per element and do not vectorise; this layout is contiguous passes only (``ring_pack``,
+``ring_add`` and ``ring_add_all`` in compression/_kernels.c, about memory speed; without the
+kernels numpy gives the same bytes, slower).
 """
 
 from __future__ import annotations
