@@ -249,10 +249,12 @@ class CoordinatorRound:
             dropped = tuple(s for s in self._cohort if s not in whole)
             if len(survivors) < 2:
                 raise RecoveryFailed("survivors", f"{len(survivors)} whole push(es); a sum needs 2 or more")
-            needy = dropped + (survivors if roster.self_masks else ())
-            for site in needy:
+            # a dropped site's key is needed where a surviving neighbour holds masks with it; a
+            # survivor's self-mask seed (self-masks on) always
+            needy = [(s, False) for s in dropped] + [(s, True) for s in survivors if roster.self_masks]
+            for site, always in needy:
                 alive = [n for n in self._graph[site] if n in survivors]
-                if len(alive) < roster.threshold:
+                if (always or alive) and len(alive) < roster.threshold:
                     raise RecoveryFailed(
                         "dropped",
                         f"{site!r} has {len(alive)} surviving neighbour(s), "
@@ -324,6 +326,8 @@ class CoordinatorRound:
             ring.add_all(acc[start : start + numel], payloads, roster.ring_bits, assign=tiled)
         terms: list[tuple[bytes, int]] = []
         for d in request.dropped:
+            if not any(j in request.survivors for j in self._graph[d]):
+                continue  # all its neighbours were lost too: none of its masks is in the sum
             raw = self._recover(d, "mask_key")
             key = mask_keys.load_private(raw)
             if mask_keys.public_bytes(key) != roster.advert(d).mask_key:
