@@ -70,7 +70,7 @@ def test_signed_values_and_refusals() -> None:
 @pytest.mark.parametrize("bits", [8, 10, 11, 16])
 def test_adding_several_pushes_at_once_equals_adding_each(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(bits)
-    numel = 20_000 + bits  # several tiles, uneven strides
+    numel = 70_000 + bits  # several tiles of 8192 in every plane, uneven strides
     payloads = [
         ring.pack(
             rng.integers(0, 1 << 16, numel, dtype=np.uint16),
