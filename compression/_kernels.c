@@ -1,7 +1,8 @@
 /* Fused int8 blockwise absmax quantisation and its inverse, the nibble split of int8 codes, the
- * parameter checksum's mixing (geodiloco.params.Checksum), and the coordinator's per-span round
+ * parameter checksum's mixing (geodiloco.params.Checksum), the coordinator's per-span round
  * arithmetic (int8 codes folded into the round's sum, the Nesterov step with the downlink's error
- * feedback, and θ += the decoded update with its checksum and norm), each one pass over memory.
+ * feedback, and θ += the decoded update with its checksum and norm), and secure aggregation's ring
+ * packing, each one pass over memory.
  * Below one bit (the section of that name): per-block top-k, Elias-Fano index sets, the sign
  * code, and top-k's error-feedback residual.
  *
@@ -1719,6 +1720,320 @@ static PyObject *apply_sign(PyObject *self, PyObject *args)
     return Py_BuildValue("(dKK)", sumsq, (unsigned long long)low, (unsigned long long)high);
 }
 
+/* Ring packing for secure aggregation (security/secagg/ring.py): a span of n masked codes of
+ * `bits` = 8 + h bits (h in 0..8) travels as its n low bytes, then the high h bits split into
+ * planes of 8, 4, 2 and 1 bits (those in h, widest first, lowest bits first). A plane of width w
+ * packs 8/w elements to a byte, strided: with m = ceil(n * w / 8), byte k holds elements k, k + m,
+ * k + 2m, ... (element k + s*m at bit s*w). Every pass reads and writes contiguous memory, so
+ * the loops vectorise (a bit stream of 10- or 11-bit fields does not). */
+static int ring_planes(int bits, int widths[4])
+{
+    int h = bits - 8, k = 0;
+    if (h < 0 || h > 8)
+        return -1;
+    for (int w = 8; w >= 1; w >>= 1)
+        if (h & w)
+            widths[k++] = w;
+    return k;
+}
+
+static Py_ssize_t ring_size(Py_ssize_t n, int bits)
+{
+    int widths[4], planes = ring_planes(bits, widths);
+    Py_ssize_t size = n;
+    for (int p = 0; p < planes; p++)
+        size += (n * widths[p] + 7) / 8;
+    return size;
+}
+
+/* The first (widest) plane's passes also write the low bytes: together its strided passes visit
+ * every element once, so the codes and the mask are read once for it (twice only at 11, 13, 14
+ * and 15 bits, whose second and third planes take a pass each). */
+WIDEST_SIMD
+static void ring_pack_span(const uint16_t *mask, const int8_t *codes, Py_ssize_t n, int bits, uint8_t *out)
+{
+    int widths[4], planes = ring_planes(bits, widths), low = 8;
+    if (planes == 0)
+        for (Py_ssize_t i = 0; i < n; i++)
+            out[i] = (uint8_t)(mask[i] + (uint16_t)(int16_t)codes[i]);
+    uint8_t *hi = out + n;
+    for (int p = 0; p < planes; p++) {
+        int w = widths[p], per = 8 / w;
+        Py_ssize_t m = (n * w + 7) / 8;
+        uint16_t keep = (uint16_t)((1u << w) - 1u);
+        memset(hi, 0, (size_t)m);
+        for (int s = 0; s < per; s++) {
+            Py_ssize_t base = s * m, count = n - base < m ? n - base : m;
+            int shift = s * w;
+            /* restrict: the low bytes and the plane are disjoint parts of one buffer */
+            const uint16_t *restrict src = mask + base;
+            const int8_t *restrict code = codes + base;
+            uint8_t *restrict lo = out + base, *restrict plane = hi;
+            if (p == 0) {
+                for (Py_ssize_t k = 0; k < count; k++) {
+                    uint16_t v = (uint16_t)(src[k] + (uint16_t)(int16_t)code[k]);
+                    lo[k] = (uint8_t)v;
+                    plane[k] = (uint8_t)(plane[k] | ((v >> low) & keep) << shift);
+                }
+            } else {
+                for (Py_ssize_t k = 0; k < count; k++) {
+                    uint16_t v = (uint16_t)(src[k] + (uint16_t)(int16_t)code[k]);
+                    plane[k] = (uint8_t)(plane[k] | ((v >> low) & keep) << shift);
+                }
+            }
+        }
+        hi += m;
+        low += w;
+    }
+}
+
+WIDEST_SIMD
+static void ring_add_span(const uint8_t *packed, Py_ssize_t n, int bits, uint16_t *acc)
+{
+    int widths[4], planes = ring_planes(bits, widths), low = 8;
+    if (planes == 0)
+        for (Py_ssize_t i = 0; i < n; i++)
+            acc[i] = (uint16_t)(acc[i] + packed[i]);
+    const uint8_t *hi = packed + n;
+    for (int p = 0; p < planes; p++) {
+        int w = widths[p], per = 8 / w;
+        Py_ssize_t m = (n * w + 7) / 8;
+        uint16_t keep = (uint16_t)((1u << w) - 1u);
+        for (int s = 0; s < per; s++) {
+            Py_ssize_t base = s * m, count = n - base < m ? n - base : m;
+            int shift = s * w;
+            const uint8_t *restrict lo = packed + base, *restrict plane = hi;
+            uint16_t *restrict dst = acc + base;
+            if (p == 0)
+                for (Py_ssize_t k = 0; k < count; k++)
+                    dst[k] = (uint16_t)(dst[k] + (uint16_t)(lo[k] | ((plane[k] >> shift) & keep) << low));
+            else
+                for (Py_ssize_t k = 0; k < count; k++)
+                    dst[k] = (uint16_t)(dst[k] + (uint16_t)(((plane[k] >> shift) & keep) << low));
+        }
+        hi += m;
+        low += w;
+    }
+}
+
+/* ring_add_span for several pushes of one span, in tiles: the first plane's passes (which carry
+ * the low bytes) run tile by tile over every push, so the tile of the sum stays in cache while
+ * all pushes are added to it instead of streaming the whole sum through memory once per push. */
+#define RING_TILE 8192
+WIDEST_SIMD
+static void ring_add_pushes(const uint8_t *const *packed, Py_ssize_t count, Py_ssize_t n, int bits, uint16_t *acc,
+                            int assign)
+{
+    int widths[4], planes = ring_planes(bits, widths);
+    int w = planes ? widths[0] : 8, per = planes ? 8 / w : 1;
+    Py_ssize_t m = planes ? (n * w + 7) / 8 : n;
+    uint16_t keep = (uint16_t)((1u << w) - 1u);
+    for (Py_ssize_t k0 = 0; k0 < m; k0 += RING_TILE) {
+        for (Py_ssize_t j = 0; j < count; j++) {
+            for (int s = 0; s < per; s++) {
+                Py_ssize_t base = s * m, cnt = n - base < m ? n - base : m;
+                Py_ssize_t k1 = k0 + RING_TILE < cnt ? k0 + RING_TILE : cnt;
+                const uint8_t *restrict lo = packed[j] + base, *restrict plane = packed[j] + n;
+                uint16_t *restrict dst = acc + base;
+                int shift = s * w;
+                if (assign && j == 0) /* the first push sets the sum: no zeroing pass */
+                    for (Py_ssize_t k = k0; k < k1; k++)
+                        dst[k] = (uint16_t)(lo[k] | (planes ? ((plane[k] >> shift) & keep) << 8 : 0));
+                else if (planes)
+                    for (Py_ssize_t k = k0; k < k1; k++)
+                        dst[k] = (uint16_t)(dst[k] + (uint16_t)(lo[k] | ((plane[k] >> shift) & keep) << 8));
+                else
+                    for (Py_ssize_t k = k0; k < k1; k++)
+                        dst[k] = (uint16_t)(dst[k] + lo[k]);
+            }
+        }
+    }
+    /* the narrower planes (11, 13, 14, 15 bits), tiled the same way, each over every push */
+    Py_ssize_t offset = n + m;
+    int low = 8 + w;
+    for (int p = 1; p < planes; p++) {
+        int wp = widths[p], perp = 8 / wp;
+        Py_ssize_t mp = (n * wp + 7) / 8;
+        uint16_t keepp = (uint16_t)((1u << wp) - 1u);
+        for (Py_ssize_t k0 = 0; k0 < mp; k0 += RING_TILE) {
+            for (Py_ssize_t j = 0; j < count; j++) {
+                for (int s = 0; s < perp; s++) {
+                    Py_ssize_t base = s * mp, cnt = n - base < mp ? n - base : mp;
+                    Py_ssize_t k1 = k0 + RING_TILE < cnt ? k0 + RING_TILE : cnt;
+                    const uint8_t *restrict plane = packed[j] + offset;
+                    uint16_t *restrict dst = acc + base;
+                    int shift = s * wp;
+                    for (Py_ssize_t k = k0; k < k1; k++)
+                        dst[k] = (uint16_t)(dst[k] + (uint16_t)(((plane[k] >> shift) & keepp) << low));
+                }
+            }
+        }
+        offset += mp;
+        low += wp;
+    }
+}
+
+static int check_ring(int bits, Py_ssize_t n, Py_ssize_t packed_len)
+{
+    int widths[4];
+    if (ring_planes(bits, widths) < 0) {
+        PyErr_SetString(PyExc_ValueError, "ring bits must be in [8, 16]");
+        return -1;
+    }
+    if (packed_len != ring_size(n, bits)) {
+        PyErr_SetString(PyExc_ValueError, "packed buffer size does not match the element count");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(ring_pack_doc,
+             "ring_pack(mask, codes, bits, out) -> bool\n\n"
+             "out = (uint16 mask + int8 code) mod 2^bits per element, at `bits` per element\n"
+             "(the low bytes, then the high bits in strided planes; ring.py).");
+
+static PyObject *ring_pack(PyObject *self, PyObject *args)
+{
+    PyObject *objs[3];
+    int bits;
+    Py_buffer views[3]; /* mask, codes, out */
+    if (!PyArg_ParseTuple(args, "OOiO", &objs[0], &objs[1], &bits, &objs[2]))
+        return NULL;
+    if (get_arguments(objs, (const char *const[]){"mask", "codes", "out"}, 0x4, views) < 0)
+        return NULL;
+    Py_ssize_t n = views[1].len;
+    if (views[0].len != 2 * n) {
+        PyErr_SetString(PyExc_ValueError, "ring_pack: mask and codes differ in length");
+        return finish(views, -1);
+    }
+    if (check_ring(bits, n, views[2].len) < 0)
+        return finish(views, -1);
+    Py_BEGIN_ALLOW_THREADS
+    ring_pack_span((const uint16_t *)views[0].buf, (const int8_t *)views[1].buf, n, bits, (uint8_t *)views[2].buf);
+    Py_END_ALLOW_THREADS
+    return finish(views, 1);
+}
+
+PyDoc_STRVAR(ring_add_doc,
+             "ring_add(packed, bits, acc) -> bool\n\n"
+             "acc += the ring elements of packed (ring_pack's layout), mod 2^16.");
+
+static PyObject *ring_add(PyObject *self, PyObject *args)
+{
+    PyObject *objs[3];
+    int bits;
+    Py_buffer views[3]; /* packed, acc, acc */
+    if (!PyArg_ParseTuple(args, "OiO", &objs[0], &bits, &objs[1]))
+        return NULL;
+    objs[2] = objs[1];
+    if (get_arguments(objs, (const char *const[]){"packed", "acc", "acc"}, 0x6, views) < 0)
+        return NULL;
+    Py_ssize_t n = views[1].len / 2;
+    if (views[1].len % 2 || check_ring(bits, n, views[0].len) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "ring_add: acc must hold uint16 elements");
+        return finish(views, -1);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    ring_add_span((const uint8_t *)views[0].buf, n, bits, (uint16_t *)views[1].buf);
+    Py_END_ALLOW_THREADS
+    return finish(views, 1);
+}
+
+WIDEST_SIMD
+static int32_t ring_signed_span(uint16_t *acc, Py_ssize_t n, int bits)
+{
+    int shift = 16 - bits;
+    int32_t low = 0, high = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int16_t v = (int16_t)(int16_t)(uint16_t)(acc[i] << shift) >> shift;
+        acc[i] = (uint16_t)v;
+        low = v < low ? v : low;
+        high = v > high ? v : high;
+    }
+    return -low > high ? -low : high;
+}
+
+PyDoc_STRVAR(ring_signed_doc,
+             "ring_signed(acc, bits) -> int\n\n"
+             "In place: each uint16 of acc, a ring element mod 2^bits, becomes the int16 in\n"
+             "[-2^(bits-1), 2^(bits-1)) it stands for. Returns the largest magnitude.");
+
+static PyObject *ring_signed(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    int bits;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "Oi", &obj, &bits))
+        return NULL;
+    if (get_buffer(obj, &view, 1, "acc") < 0)
+        return NULL;
+    if (bits < 8 || bits > 16 || view.len % 2) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "ring_signed: uint16 elements and bits in [8, 16]");
+        return NULL;
+    }
+    int32_t largest;
+    Py_BEGIN_ALLOW_THREADS
+    largest = ring_signed_span((uint16_t *)view.buf, view.len / 2, bits);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return PyLong_FromLong(largest);
+}
+
+PyDoc_STRVAR(ring_add_all_doc,
+             "ring_add_all(payloads, bits, acc, assign) -> bool\n\n"
+             "acc += the ring elements of every payload (ring_pack's layout, each of len(acc)\n"
+             "elements), mod 2^16: ring_add for each, tiled so that acc stays in cache. With assign,\n"
+             "acc = their sum (its old contents are not read).");
+
+static PyObject *ring_add_all(PyObject *self, PyObject *args)
+{
+    PyObject *seq_obj, *acc_obj;
+    int bits, assign;
+    if (!PyArg_ParseTuple(args, "OiOp", &seq_obj, &bits, &acc_obj, &assign))
+        return NULL;
+    PyObject *seq = PySequence_Fast(seq_obj, "payloads must be a sequence of buffers");
+    if (!seq)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq), held = 0;
+    Py_buffer acc, *views = PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
+    const uint8_t **bufs = PyMem_Calloc((size_t)count + 1, sizeof(uint8_t *));
+    int ok = 0, have_acc = 0;
+    if (!views || !bufs)
+        PyErr_NoMemory();
+    else if (get_buffer(acc_obj, &acc, 1, "acc") == 0) {
+        have_acc = 1;
+        ok = acc.len % 2 == 0;
+        if (!ok)
+            PyErr_SetString(PyExc_ValueError, "ring_add_all: acc must hold uint16 elements");
+    }
+    Py_ssize_t n = ok ? acc.len / 2 : 0;
+    while (ok && held < count) {
+        if (get_buffer(PySequence_Fast_GET_ITEM(seq, held), &views[held], 0, "payload") < 0) {
+            ok = 0;
+            break;
+        }
+        bufs[held] = (const uint8_t *)views[held].buf;
+        held++;
+        if (check_ring(bits, n, views[held - 1].len) < 0)
+            ok = 0;
+    }
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        ring_add_pushes(bufs, count, n, bits, (uint16_t *)acc.buf, assign && count > 0);
+        Py_END_ALLOW_THREADS
+    }
+    for (Py_ssize_t j = 0; j < held; j++)
+        PyBuffer_Release(&views[j]);
+    if (have_acc)
+        PyBuffer_Release(&acc);
+    PyMem_Free(views);
+    PyMem_Free(bufs);
+    Py_DECREF(seq);
+    return ok ? PyBool_FromLong(1) : NULL;
+}
+
 static PyMethodDef methods[] = {
     {"quantize_q8", quantize_q8, METH_VARARGS, quantize_q8_doc},
     {"dequantize_q8", dequantize_q8, METH_VARARGS, dequantize_q8_doc},
@@ -1738,6 +2053,10 @@ static PyMethodDef methods[] = {
     {"sign_decode", sign_decode, METH_VARARGS, sign_decode_doc},
     {"sparse_residual", sparse_residual, METH_VARARGS, sparse_residual_doc},
     {"apply_sign", apply_sign, METH_VARARGS, apply_sign_doc},
+    {"ring_pack", ring_pack, METH_VARARGS, ring_pack_doc},
+    {"ring_add", ring_add, METH_VARARGS, ring_add_doc},
+    {"ring_signed", ring_signed, METH_VARARGS, ring_signed_doc},
+    {"ring_add_all", ring_add_all, METH_VARARGS, ring_add_all_doc},
     {NULL, NULL, 0, NULL},
 };
 
