@@ -11,6 +11,12 @@ expansion ≤ 1.5 up to 8 sites and ≤ 1.7 at 16.
 
     python benchmarks/secagg.py [--params N] [--sites 4 8 16] [--repeats R] [--json PATH] [--smoke]
 
+``poison`` (the 4-site row): benchmarks/robust.py's rows, one site of four poisoning, for the default
+aggregation rule and ``mean`` under each attack, with the int8 codec; real processes, 16 rounds of 4
+steps on the reference workload (``--smoke``: one attack, in process). Those rules run on the
+coordinator's plain sums, so these runs have secure aggregation off: with it on, only ``mean`` applies
+(docs/robustness.md). ``--no-poison`` leaves the list empty.
+
 ``--smoke`` (65,536 parameters, one repeat: seconds) only checks that the benchmark still runs.
 """
 
@@ -27,6 +33,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from robust import poison_rows
 
 from geodiloco.compression import envelope, parse_pipeline
 from geodiloco.pages import keep_freed_pages
@@ -51,9 +59,10 @@ KEYS = (
     "poison",
 )
 WHY_NULL = (
-    "final_eval_loss_secure/plain and poison: null/[] until secure aggregation is wired into the "
-    "coordinator's rounds (next step, docs/security.md) and benchmarks/robust.py's poison_rows lands"
+    "final_eval_loss_secure/plain: null until secure aggregation is wired into the coordinator's "
+    "rounds (next step, docs/security.md)"
 )
+POISON_SITES = 4  # the row whose `poison` list is filled: one poisoning site of four
 
 
 def best(fn: Callable[[], object], repeats: int) -> float:
@@ -214,6 +223,18 @@ def row(sites: int, params: int, repeats: int, seed: int) -> dict[str, Any]:
     }
 
 
+def with_poison(rows: list[dict[str, Any]], smoke: bool) -> None:
+    """Fill the 4-site row's ``poison`` from benchmarks/robust.py (same codec as the timing rows)."""
+    for r in rows:
+        if r["sites"] == POISON_SITES:
+            r["poison"] = poison_rows(POISON_SITES, smoke, overrides={"compression.uplink": CODEC})
+            for p in r["poison"]:
+                print(
+                    f"poison, {POISON_SITES} sites: rule {p['rule']:<13} attack {p['attack']:<9} final eval "
+                    f"loss {p['final_eval_loss']:.4f}, honest (3 sites) {p['honest_eval_loss']:.4f}"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=16 << 20, help="parameters per site (default 16M)")
@@ -222,6 +243,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--smoke", action="store_true", help="65,536 parameters, one repeat")
+    parser.add_argument("--no-poison", action="store_true", help="leave the 4-site row's poison list empty")
     args = parser.parse_args()
     if args.smoke:
         args.params, args.repeats = 1 << 16, 1
@@ -233,6 +255,8 @@ def main() -> None:
         "  exact recovered mean err  plain err"
     )
     rows = [row(n, args.params, args.repeats, args.seed) for n in args.sites]
+    if not args.no_poison:
+        with_poison(rows, args.smoke)
     assert all(set(r) == set(KEYS) for r in rows)
     print("note:", WHY_NULL)
     print(
