@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from robust import poison_rows
 
 from geodiloco.compression import envelope, parse_pipeline

@@ -25,7 +25,10 @@ def test_secagg_smoke(run_benchmark: Callable[..., Any]) -> None:
         assert r["final_eval_loss_secure"] is None and r["final_eval_loss_plain"] is None
     # the 4-site row carries benchmarks/robust.py's poisoning runs (smoke: one attack, two rules)
     poison = rows[0]["poison"]
-    assert [(p["rule"], p["attack"]) for p in poison] == [("filtered_mean", "sign_flip"), ("mean", "sign_flip")]
+    assert [(p["rule"], p["attack"]) for p in poison] == [
+        ("filtered_mean", "sign_flip"),
+        ("mean", "sign_flip"),
+    ]
     assert all(p["final_eval_loss"] > 0 and p["honest_eval_loss"] > 0 for p in poison)
     assert rows[1]["poison"] == [] and rows[2]["poison"] == []
     assert rows[0]["expansion"] < rows[2]["expansion"]  # a wider ring for more sites
