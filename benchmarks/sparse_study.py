@@ -13,9 +13,14 @@ feedback (``exact``: no downlink codec). No gRPC, no processes, no sealing: the 
 system's (same codecs, same outer step) at a fraction of the cost of ``convergence.py``, which
 runs the real system and gives the acceptance figures; use this one to decide what to run there.
 
-A case is ``NAME=UPLINK[ / DOWNLINK][ ; KEY=VALUE ...]`` (config settings, as ``--set``), with two
-keys of its own: ``uplink_decay`` and ``downlink_decay`` (default: ``compression.feedback_decay``
-and ``compression.downlink_feedback_decay``) set the two senders' residual decay. ``--warm PATH``
+A case is ``NAME=UPLINK[ / DOWNLINK][ ; KEY=VALUE ...]`` (config settings, as ``--set``), with keys
+of its own: ``uplink_decay`` and ``downlink_decay`` (default: ``compression.feedback_decay`` and
+``compression.downlink_feedback_decay``) set the two senders' residual decay; what-ifs the system
+does not offer (docs/below-one-bit.md has what they gave): ``site_keeps=1`` (a site starts its
+round from θ minus its unsent residual, DeMo-like), ``support_mean=1`` (each coordinate averaged
+over the sites that sent it), ``dct=N`` (the uplink codec applied to the DCT of each block of N,
+DeMo's transform) and ``dense_small=1`` (vectors, i.e. biases and norms, arrive whole both ways;
+their bytes are not counted). ``--warm PATH``
 starts from a saved state dict (``convergence.py``'s warm start). ``--smoke``: two tiny cases,
 2 rounds, a tiny model.
 """
@@ -31,7 +36,7 @@ from pathlib import Path
 import torch
 
 from geodiloco.app.demo import DemoOptions, demo_config
-from geodiloco.compression import ErrorFeedback, Place, parse_pipeline
+from geodiloco.compression import ErrorFeedback, Pipeline, Place, parse_pipeline
 from geodiloco.config import RunConfig
 from geodiloco.coordinator.outer_optimizer import build_outer_optimizer
 from geodiloco.workload import (
@@ -46,6 +51,27 @@ from geodiloco.workload import (
 )
 
 SITES = 3
+# a case's own keys (not config settings); the last four are what-ifs of issue 42's second pass
+OWN_KEYS = ("uplink_decay", "downlink_decay", "site_keeps", "support_mean", "dct", "dense_small")
+
+
+def dct_matrix(n: int) -> torch.Tensor:
+    """The orthonormal DCT-II matrix of size ``n`` (rows: frequencies)."""
+    k = torch.arange(n, dtype=torch.float64)[:, None]
+    i = torch.arange(n, dtype=torch.float64)[None, :]
+    m = torch.cos(torch.pi * (i + 0.5) * k / n) * (2.0 / n) ** 0.5
+    m[0] /= 2**0.5
+    return m.float()
+
+
+def dct_roundtrip(pipe: Pipeline, x: torch.Tensor, place: Place, n: int) -> tuple[bytes, torch.Tensor]:
+    """DeMo's transform, emulated: the codec sees the DCT of each block of ``n``; decoded back."""
+    m = dct_matrix(n)
+    blocks = torch.nn.functional.pad(x, (0, (-x.numel()) % n)).view(-1, n)
+    payload, decoded = pipe.roundtrip((blocks @ m.T).reshape(-1), place)
+    return payload, (decoded.view(-1, n) @ m).reshape(-1)[: x.numel()]
+
+
 SMOKE_SETTINGS = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "data.eval_sequences=8"]
 
 
@@ -57,7 +83,7 @@ def parse_case(text: str) -> tuple[str, str, str, list[str], dict[str, float]]:
     settings, decays = [], {}
     for item in filter(None, rest):
         key, _, value = item.partition("=")
-        if key.strip() in ("uplink_decay", "downlink_decay"):
+        if key.strip() in OWN_KEYS:
             decays[key.strip()] = float(value)
         else:
             settings.append(item)
@@ -97,28 +123,43 @@ def run_case(
     up_feedback = [ErrorFeedback(theta.numel(), decays.get("uplink_decay", decay)) for _ in range(SITES)]
     down_feedback = ErrorFeedback(theta.numel(), decays.get("downlink_decay", cfg.compression.downlink_decay))
     outer = build_outer_optimizer(cfg.outer)
+    small = torch.cat([torch.full((p.numel(),), p.dim() < 2) for p in models[0].parameters()])
     batch, steps = 2 * cfg.data.batch_size, cfg.inner.steps_per_round
     up_bytes = down_bytes = 0
     curve = []
     for r in range(cfg.rounds):
         place = Place.span(r, 0, theta.numel())
         total = torch.zeros_like(theta)
+        senders = torch.zeros_like(theta)
         for k in range(SITES):
-            load_flat(models[k], theta)
+            keeps = decays.get("site_keeps", 0.0) > 0
+            # site_keeps: the site starts from θ minus what it has not sent yet (decayed), not from θ
+            residual = up_feedback[k].decay * up_feedback[k].residual
+            load_flat(models[k], theta - residual if keeps else theta)
             for h in range(steps):
                 step = r * steps + h
                 first = (step * batch) % (data[k].shape[0] - batch)
                 window = data[k][first : first + batch]
                 inner_step(models[k], optimizers[k], cfg.inner, step, window[:, :-1], window[:, 1:])
-            send = up_feedback[k].compensate(theta - flat(models[k]))
-            payload, decoded = up.roundtrip(send, place)
+            delta = theta - flat(models[k])  # with site_keeps, the residual is in it already
+            send = delta if keeps else up_feedback[k].compensate(delta)
+            if decays.get("dct"):
+                payload, decoded = dct_roundtrip(up, send, place, int(decays["dct"]))
+            else:
+                payload, decoded = up.roundtrip(send, place)
+            if decays.get("dense_small"):  # vectors (biases, norms) arrive whole; their bytes not counted
+                decoded = torch.where(small, send, decoded)
             up_feedback[k].record(send, decoded)
             up_bytes += len(payload)
             total += decoded
-        change = outer.step(total / SITES)
+            senders += decoded != 0
+        # support_mean: each coordinate averaged over the sites that sent it, not over all sites
+        change = outer.step(total / (senders.clamp(min=1) if decays.get("support_mean") else SITES))
         if down is not None:
             send = down_feedback.compensate(change)
             payload, change = down.roundtrip(send, place)
+            if decays.get("dense_small"):
+                change = torch.where(small, send, change)
             down_feedback.record(send, change)
             down_bytes += len(payload)
         theta += change

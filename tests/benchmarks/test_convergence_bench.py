@@ -15,7 +15,6 @@ def test_convergence_smoke(run_benchmark: Callable[..., Any]) -> None:
         ("scratch", "none"),
         ("scratch", "int8"),
         ("warm", "none"),
-        ("warm", "int8"),
     ]
     for entry in entries:
         is_dense = entry["name"] == "none"
