@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -30,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from geodiloco.testing.ports import free_port
 
 STOP = None
 
@@ -170,12 +171,6 @@ class RankPool:
         assert codes == [0] * len(codes), f"pooled rank processes exited with {codes}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _named(spec: str) -> Callable[..., Any]:
     """The function ``module:function`` names (imported in the rank, after its paths are set)."""
     module, _, name = spec.partition(":")
@@ -260,7 +255,7 @@ def start_sites(
     signalled) is tested with real site processes elsewhere."""
     tasks = []
     for name, (ranks, flags) in sites.items():
-        port = _free_port()
+        port = free_port()
         entry, before = (entries or {}).get(name), (prepare or {}).get(name)
         argv = ["--coordinator", target, "--site", name, *([] if entry else ["--device", "cpu"]), *flags]
         log = str(logs / f"{name}.log")

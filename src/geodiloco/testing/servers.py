@@ -4,7 +4,6 @@ process of its own."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from collections.abc import Coroutine
 from concurrent.futures import Future
@@ -22,6 +21,7 @@ from geodiloco.coordinator.edge.server import (
 )
 from geodiloco.coordinator.rounds import RoundController
 from geodiloco.security.policy import ServerSecurity
+from geodiloco.testing.ports import free_port as free_port
 
 T = TypeVar("T")
 
@@ -92,9 +92,3 @@ class CoordinatorThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
